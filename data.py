@@ -1,0 +1,259 @@
+"""Corpus loading, the BPE tokenizer and the padded-sequence dataset.
+
+A document becomes `[BOT] + ids + [EOT]`, clipped or right-padded to seq_len + 1 tokens;
+x = tokens[:-1] and y = tokens[1:], with the targets at [PAD] positions set to IGNORE_INDEX
+so the loss skips them. The corpus is tokenized once with `datasets.map`, which caches the
+result on disk: later epochs, later runs and the other ranks of a DDP job read the cache.
+"""
+
+import itertools
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from model import IGNORE_INDEX
+
+PAD, BOT, EOT = "[PAD]", "[BOT]", "[EOT]"
+SPECIAL_TOKENS = [PAD, BOT, EOT]
+EMBEDDED_CORPUS = "stdlib"
+# local file suffix -> the `datasets` builder that reads it
+FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# The tokenizer is trained on at most this much text: plenty for a BPE, and it keeps a
+# run on a 10B-token corpus from spending hours on tokenizer training.
+TOKENIZER_TRAIN_CHARS = 200_000_000
+
+
+class UsageError(ValueError):
+    """Bad input the user can fix (flags, data, files): the scripts print it as one line
+    on stderr and exit non-zero, with no traceback."""
+
+
+# ---------------------------------------------------------------------------------------
+# The embedded default corpus: the Python standard library that ships with the interpreter
+
+
+def stdlib_files() -> list[str]:
+    """The standard library's .py files, test suites and installed packages left out."""
+    root = sysconfig.get_paths()["stdlib"]
+    skip = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = sorted(d for d in subfolders if d not in skip)  # sorted: same order everywhere
+        files += [os.path.join(folder, n) for n in sorted(names)
+                  if n.endswith(".py") and not n.startswith("test_")]
+    return files
+
+
+def stdlib_documents(files: list[str], max_chars: int = 1500):
+    """Split each file at blank lines and pack consecutive blocks into documents of at
+    most max_chars characters (about 400 tokens: one function or class, roughly)."""
+    for path in files:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+        doc = ""
+        for block in text.split("\n\n"):
+            if doc and len(doc) + len(block) + 2 > max_chars:
+                yield {"text": doc}
+                doc = ""
+            doc = f"{doc}\n\n{block}" if doc else block
+        if doc.strip():
+            yield {"text": doc}
+
+
+# ---------------------------------------------------------------------------------------
+# Loading a corpus: the embedded one, local files, or a Hub dataset
+
+
+def _local_files(path: Path) -> list[Path]:
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in FILE_BUILDERS)
+        if not files:
+            raise UsageError(f"folder {path} holds no {'/'.join(FILE_BUILDERS)} files")
+    for f in files:
+        if f.suffix not in FILE_BUILDERS:
+            raise UsageError(f"unsupported dataset file {f}: expected one of {', '.join(FILE_BUILDERS)}")
+        if not os.access(f, os.R_OK):
+            raise UsageError(f"cannot read dataset file {f}")
+    return files
+
+
+def looks_local(dataset: str) -> bool:
+    """A path, as opposed to a Hub id such as `HuggingFaceFW/fineweb`."""
+    return (os.path.exists(dataset) or dataset.startswith((".", "/", "~"))
+            or Path(dataset).suffix in FILE_BUILDERS)
+
+
+def check_dataset_flags(dataset: str, dataset_config: str | None, split: str | None):
+    """Cheap checks that need no loading, so every rank can run them before any download."""
+    if dataset == EMBEDDED_CORPUS or looks_local(dataset):
+        if not (dataset == EMBEDDED_CORPUS or os.path.exists(os.path.expanduser(dataset))):
+            raise UsageError(f"dataset file or folder not found: {dataset}")
+        if dataset_config is not None or split is not None:
+            raise UsageError("--dataset-config and --split apply to Hub datasets only, "
+                            f"not to {dataset!r}")
+
+
+def load_corpus(dataset: str, dataset_config: str | None = None, split: str | None = None,
+                text_column: str = "text") -> datasets.Dataset:
+    """Load documents as a `datasets.Dataset` with one column, "text", empty ones dropped."""
+    check_dataset_flags(dataset, dataset_config, split)
+    if dataset == EMBEDDED_CORPUS:
+        ds = datasets.Dataset.from_generator(stdlib_documents, gen_kwargs={"files": stdlib_files()})
+        ds = _text_column(ds, text_column, dataset)
+    elif looks_local(dataset):
+        # an empty file has no documents (and makes some `datasets` builders fail)
+        files = [f for f in _local_files(Path(dataset).expanduser()) if f.stat().st_size > 0]
+        if not files:
+            raise UsageError(f"dataset {dataset} has no non-empty documents")
+        parts = []
+        for builder in sorted({FILE_BUILDERS[f.suffix] for f in files}):
+            data_files = [str(f) for f in files if FILE_BUILDERS[f.suffix] == builder]
+            try:
+                part = datasets.load_dataset(builder, data_files=data_files, split="train")
+            except Exception as e:  # datasets raises many types for unreadable files
+                raise UsageError(f"cannot read {dataset}: {_first_line(e)}") from None
+            parts.append(_text_column(part, text_column, dataset))
+        ds = datasets.concatenate_datasets(parts)
+    else:
+        try:
+            ds = datasets.load_dataset(dataset, dataset_config, split=split or "train")
+        except Exception as e:  # offline, unknown id, bad config or split
+            raise UsageError(f"cannot load Hub dataset {dataset!r}: {_first_line(e)}") from None
+        ds = _text_column(ds, text_column, dataset)
+    ds = ds.filter(lambda batch: [bool(t and t.strip()) for t in batch["text"]], batched=True)
+    if len(ds) == 0:
+        raise UsageError(f"dataset {dataset} has no non-empty documents")
+    return ds
+
+
+def _text_column(ds: datasets.Dataset, column: str, name: str) -> datasets.Dataset:
+    if column not in ds.column_names:
+        raise UsageError(f"dataset {name} has no column {column!r} (columns: {', '.join(ds.column_names)})")
+    if ds.features[column].dtype not in ("string", "large_string"):
+        raise UsageError(f"column {column!r} of dataset {name} holds {ds.features[column].dtype}, not text")
+    ds = ds.select_columns([column])
+    return ds.rename_column(column, "text") if column != "text" else ds
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def split_train_val(ds: datasets.Dataset, val_docs: int, seed: int):
+    """Hold out val_docs documents, chosen by a seeded shuffle (deterministic on every rank)."""
+    if not 0 < val_docs < len(ds):
+        raise UsageError(f"cannot hold out {val_docs} validation documents from a dataset of {len(ds)}")
+    parts = ds.train_test_split(test_size=val_docs, seed=seed)
+    return parts["train"], parts["test"]
+
+
+def default_val_docs(n_docs: int) -> int:
+    """1% of the documents, at least 1 and at most 1000."""
+    return max(1, min(1000, n_docs // 100))
+
+
+# ---------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def train_tokenizer(texts: datasets.Dataset, vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE (every string is encodable, no unknown token) on `texts`."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+
+    def batches():
+        seen = 0
+        for batch in texts.iter(batch_size=1000):
+            yield batch["text"]
+            seen += sum(map(len, batch["text"]))
+            if seen >= TOKENIZER_TRAIN_CHARS:
+                return
+
+    tokenizer.train_from_iterator(batches(), trainer)
+    return tokenizer
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:
+        raise UsageError(f"cannot load tokenizer {path}: {_first_line(e)}") from None
+    missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
+    if missing:
+        raise UsageError(f"tokenizer {path} lacks the special tokens {', '.join(missing)}")
+    return tokenizer
+
+
+def _encode(batch, tokenizer: Tokenizer, max_len: int):
+    bot, eot = tokenizer.token_to_id(BOT), tokenizer.token_to_id(EOT)
+    encodings = tokenizer.encode_batch(batch["text"], add_special_tokens=False)
+    return {"input_ids": [([bot] + e.ids + [eot])[:max_len] for e in encodings]}
+
+
+def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int) -> datasets.Dataset:
+    """Frame and clip every document once; `datasets` caches the result on disk."""
+    return texts.map(_encode, batched=True, remove_columns=["text"],
+                     fn_kwargs={"tokenizer": tokenizer, "max_len": seq_len + 1},
+                     desc="tokenizing")
+
+
+# ---------------------------------------------------------------------------------------
+# The dataset the DataLoader reads
+
+
+@dataclass
+class PaddedSequenceDataset(torch.utils.data.Dataset):
+    """Items are (x, y), each (seq_len,) int64: inputs right-padded with [PAD], targets
+    shifted by one with IGNORE_INDEX wherever there is no real next token."""
+
+    rows: datasets.Dataset  # column "input_ids": [BOT] + ids + [EOT], at most seq_len + 1 long
+    seq_len: int
+    pad_id: int
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        ids = torch.tensor(self.rows[i]["input_ids"][: self.seq_len + 1], dtype=torch.long)
+        n = len(ids) - 1
+        x = torch.full((self.seq_len,), self.pad_id, dtype=torch.long)
+        y = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
+        x[:n], y[:n] = ids[:-1], ids[1:]
+        return x, y
+
+
+class ResumableDistributedSampler(torch.utils.data.DistributedSampler):
+    """DistributedSampler that can begin part-way through an epoch.
+
+    DistributedSampler shuffles with a generator seeded by seed + epoch and hands rank r
+    the indices r, r + W, r + 2W, ... of that permutation. So the s-th batch of every rank
+    together is always the s-th block of `batch_size` indices of the same permutation,
+    whatever the world size W: one process (W = 1) and DDP at any W see the same global
+    batches. `set_epoch(epoch, start)` skips this rank's first `start` samples, so a
+    resumed run continues with exactly the batch an uninterrupted run would have seen.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.start, None)
+
+    def __len__(self):
+        return self.num_samples - self.start

@@ -1,0 +1,203 @@
+"""A Llama-style decoder: RoPE, grouped-query attention, SwiGLU, RMSNorm.
+
+Parameter names follow the usual Llama layout (`base_model.layers.0.self_attn.q_proj.weight`, ...)
+so a checkpoint maps one to one onto other Llama tooling.
+
+Shapes used in the comments: B batch, T sequence length, C hidden size, H query heads,
+K key/value heads, D head dim (C // H), V vocabulary.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100  # target id that the loss skips (the data marks [PAD] targets with it)
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 50000
+    max_position_embeddings: int = 2048
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_key_value_heads: int = 3
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+# `article`: the published full-size model (about 180M parameters with a 50K vocabulary).
+# `tiny`: the CPU demo, small enough to train visibly in a few minutes on two cores.
+PRESETS = {
+    "tiny": dict(max_position_embeddings=1024, hidden_size=256, intermediate_size=1024,
+                 num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2),
+    "article": dict(max_position_embeddings=2048, hidden_size=768, intermediate_size=3072,
+                    num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=3),
+}
+
+
+class LlamaRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x):
+        # normalize in fp32 for stability under bf16, then cast back
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class LlamaRotaryEmbedding(nn.Module):
+    """cos/sin tables for rotary position encoding, "rotate half" convention."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        d = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        t = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)           # (max_pos, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)    # (max_pos, D): same table over both halves
+        # Non-persistent: derived from the config, so they stay out of the state_dict and
+        # DataParallel/DDP have nothing to keep in sync.
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, T: int):
+        return self.cos[:T], self.sin[:T]
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    # q: (B, H, T, D), k: (B, K, T, D), cos/sin: (T, D) broadcast over batch and heads
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    return q, k
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        C, D = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(C, self.num_heads * D, bias=False)
+        self.k_proj = nn.Linear(C, self.num_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(C, self.num_kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * D, C, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        # No padding mask, on purpose. Sequences are right-padded, so every real token sits
+        # before every [PAD]: the causal mask alone already hides all pads from real tokens.
+        # Pad positions do attend to garbage, but their targets are ignored by the loss.
+        # Without a materialized mask SDPA can use its flash/efficient kernels and stores
+        # no (B, 1, T, T) tensor. enable_gqa lets K key/value heads serve H query heads.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        return self.o_proj(y)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, h, cos, sin):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)  # pre-norm residual blocks
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+
+    def forward(self, input_ids):
+        h = self.embed_tokens(input_ids)  # (B, T, C)
+        cos, sin = self.rotary_emb(input_ids.shape[1])
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+
+class LlamaForPretraining(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.base_model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)  # untied
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, input_ids, targets=None):
+        """input_ids: (B, T) token ids.
+
+        Without targets: returns logits (B, T, V).
+        With targets (B, T), IGNORE_INDEX where there is nothing to predict: returns
+        (loss_sum, n_tokens), each of shape (1,): the summed cross-entropy over real
+        targets and their count. The loss is computed here, not by the caller, so that
+        nn.DataParallel gathers two numbers per replica onto GPU 0 instead of the full
+        (B, T, V) logits. Callers divide by the global token count themselves, which keeps
+        the loss exact however the batch is split over replicas, ranks and micro-batches.
+        """
+        T = input_ids.shape[1]
+        if T > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {T} exceeds max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+        logits = self.lm_head(self.base_model(input_ids))
+        if targets is None:
+            return logits
+        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        n_tokens = (targets != IGNORE_INDEX).sum()
+        # 1-element tensors, not 0-dim: DataParallel gathers them without a warning
+        return loss_sum.reshape(1), n_tokens.reshape(1)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,89 @@
+"""Shared fixtures: an offline, private `datasets` cache, a small corpus, and a runner
+for the two training scripts (in a subprocess, as a user would run them)."""
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# Flags for a run that takes seconds: the tiny model on a small corpus with a tiny BPE.
+FAST = ["--vocab-size", "300", "--seq-len", "32", "--batch-size", "8", "--max-steps", "8",
+        "--warmup-steps", "2", "--log-every", "2", "--eval-every", "4", "--save-every", "4",
+        "--val-docs", "8"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def offline_cache(tmp_path_factory):
+    """No test touches the network or the user's ~/.cache; subprocesses inherit this."""
+    home = tmp_path_factory.mktemp("hf_home")
+    os.environ.update(HF_HOME=str(home), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                      TOKENIZERS_PARALLELISM="false", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+    return home
+
+
+def write_corpus(path: Path, n_docs: int = 240, seed: int = 0) -> Path:
+    """One document per line, 3 to 40 words: many shorter than --seq-len 32 (padded,
+    by different amounts) and some longer (clipped)."""
+    rng = random.Random(seed)
+    words = ("the model reads tokens and predicts the next one while gradients flow back "
+             "through every layer of the network until the optimizer takes a step").split()
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 40))) for _ in range(n_docs)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+
+
+def run_script(script: str, args: list[str], nproc: int = 0, wrapper: str | None = None,
+               env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run train_dp.py / train_ddp.py. nproc=0: plain python; nproc>0: torchrun with
+    that many CPU processes (gloo). wrapper: a script that runs the trainer for us."""
+    target = [str(REPO / wrapper), str(REPO / script)] if wrapper else [str(REPO / script)]
+    if nproc:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", *target, *args]
+    else:
+        cmd = [sys.executable, *target, *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def load_weights(out_dir: Path) -> dict:
+    return torch.load(out_dir / "model.pt", map_location="cpu", weights_only=True)
+
+
+def max_weight_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory, corpus):
+    """Memoized training runs: runs(name, script, extra_args, nproc) -> out_dir.
+    Several tests compare the same runs, so each is trained once per session."""
+    done = {}
+    root = tmp_path_factory.mktemp("runs")
+
+    def get(name, script, extra=(), nproc=0, **kwargs):
+        if name not in done:
+            out = root / name
+            run_script(script, ["--dataset", str(corpus), *FAST, "--out-dir", str(out), *extra],
+                       nproc=nproc, **kwargs)
+            done[name] = out
+        return done[name]
+
+    get.root, get.corpus = root, corpus
+    return get

@@ -1,0 +1,108 @@
+"""Bad input ends with one clear line on stderr and a non-zero exit, before anything in
+the output folder is created or overwritten."""
+
+import hashlib
+import json
+import shutil
+
+import pytest
+
+from conftest import FAST, run_script
+
+
+def snapshot(folder):
+    """Every file under folder with its modification time and a hash of its bytes:
+    equal snapshots mean nothing was created, rewritten or changed."""
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(runs):
+    return runs("dp", "train_dp.py")
+
+
+@pytest.fixture
+def plain_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tokenizer.train_from_iterator(["some text to learn from"] * 10,
+                                  trainers.BpeTrainer(vocab_size=280, show_progress=False))
+    tokenizer.save(str(tmp_path / "plain.json"))
+    return tmp_path / "plain.json"
+
+
+def check_refused(script, args, out_dir, message, nproc=0):
+    before = snapshot(out_dir) if out_dir.exists() else None
+    proc = run_script(script, [*args, "--out-dir", str(out_dir)], nproc=nproc, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    after = snapshot(out_dir) if out_dir.exists() else None
+    assert after == before  # nothing created, nothing overwritten
+
+
+# (case id, script, extra args; "{corpus}" etc. are filled in below, expected message)
+FRESH_RUN_CASES = [
+    ("batch-not-divisible", "train_ddp.py", ["--grad-accum", "3"], "not divisible by world size 1 x --grad-accum 3"),
+    ("batch-not-divisible-dp", "train_dp.py", ["--batch-size", "10", "--grad-accum", "4"], "not divisible"),
+    ("seq-len-above-positions", "train_dp.py", ["--seq-len", "4096"], "exceeds the tiny model's 1024 positions"),
+    ("missing-dataset", "train_dp.py", ["--dataset", "no/such/file.txt"], "not found: no/such/file.txt"),
+    ("empty-dataset", "train_dp.py", ["--dataset", "{empty}"], "has no non-empty documents"),
+    ("unknown-text-column", "train_ddp.py", ["--dataset", "{jsonl}", "--text-column", "body"],
+     "has no column 'body' (columns: text)"),
+    ("tokenizer-without-special-tokens", "train_dp.py", ["--tokenizer", "{plain_tokenizer}"],
+     "lacks the special tokens [PAD], [BOT], [EOT]"),
+    ("unknown-preset", "train_dp.py", ["--model", "huge"], "invalid choice: 'huge'"),
+    ("zero-lr", "train_dp.py", ["--lr", "0"], "--lr must be a positive number"),
+    ("zero-steps", "train_ddp.py", ["--max-steps", "0"], "--max-steps must be at least 1"),
+    ("too-few-documents", "train_dp.py", ["--batch-size", "512"], "fewer than one --batch-size of 512"),
+    ("resume-without-checkpoint", "train_dp.py", ["--resume"], "nothing to resume"),
+]
+
+
+@pytest.mark.parametrize("case, script, extra, message", FRESH_RUN_CASES, ids=[c[0] for c in FRESH_RUN_CASES])
+def test_bad_invocation_of_a_new_run(tmp_path, corpus, plain_tokenizer, case, script, extra, message):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "a document"}) + "\n")
+    fill = {"{empty}": str(tmp_path / "empty.txt"), "{jsonl}": str(tmp_path / "c.jsonl"),
+            "{plain_tokenizer}": str(plain_tokenizer)}
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's own file")  # must survive untouched
+    args = ["--dataset", str(corpus), *FAST, *[fill.get(a, a) for a in extra]]
+    check_refused(script, args, out, message)
+
+
+RESUME_CASES = [
+    ("different-model", ["--resume", "--model", "article", "--seq-len", "32"], "checkpoint's model has"),
+    ("different-batch", ["--resume", "--batch-size", "16"], "--batch-size was 8 in the checkpoint's run, now 16"),
+    ("different-lr", ["--resume", "--lr", "0.002"], "--lr was 0.001"),
+    ("new-run-over-old-one", [], "already holds a run"),
+    ("corrupt-checkpoint", ["--resume"], "cannot load checkpoint"),
+    ("not-a-checkpoint", ["--resume"], "is not a checkpoint of this trainer"),
+]
+
+
+@pytest.mark.parametrize("case, extra, message", RESUME_CASES, ids=[c[0] for c in RESUME_CASES])
+def test_bad_invocation_against_an_existing_run(tmp_path, corpus, finished_run, case, extra, message):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    if case == "corrupt-checkpoint":
+        ckpt = out / "checkpoint.pt"
+        ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])  # a torn write
+    if case == "not-a-checkpoint":
+        import torch
+        torch.save({"weights": torch.zeros(2)}, out / "checkpoint.pt")
+    script = "train_ddp.py" if case in ("corrupt-checkpoint", "different-batch") else "train_dp.py"
+    check_refused(script, ["--dataset", str(corpus), *FAST, *extra], out, message)
+
+
+def test_out_dir_that_is_a_file_is_refused(tmp_path, corpus):
+    out = tmp_path / "out"
+    out.write_text("I am a file")
+    proc = run_script("train_dp.py", ["--dataset", str(corpus), *FAST, "--out-dir", str(out)], check=False)
+    assert proc.returncode != 0 and proc.stderr.strip() == f"error: --out-dir {out} exists and is not a folder"
+    assert out.read_text() == "I am a file"

@@ -1,0 +1,196 @@
+"""The data: framing and padding, the tokenizer, every --dataset form, the embedded corpus,
+tokenization done once, and a sampler that gives every world size the same global batches."""
+
+import json
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import data
+from data import BOT, EOT, PAD, PaddedSequenceDataset, ResumableDistributedSampler, UsageError
+from model import IGNORE_INDEX
+
+DOCS = ["def add(a, b):\n    return a + b", "héllo wörld — ünïcode ✓", "x = [i * i for i in range(10)]"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    texts = datasets.Dataset.from_dict({"text": DOCS * 20})
+    return data.train_tokenizer(texts, vocab_size=300)
+
+
+def rows(*id_lists):
+    return datasets.Dataset.from_dict({"input_ids": [list(ids) for ids in id_lists]})
+
+
+def test_framing_padding_and_the_shift_by_one():
+    # a framed document [BOT]=1, 10, 11, 12, [EOT]=2 with seq_len 8: padded with [PAD]=0
+    ds = PaddedSequenceDataset(rows([1, 10, 11, 12, 2]), seq_len=8, pad_id=0)
+    x, y = ds[0]
+    assert x.tolist() == [1, 10, 11, 12, 0, 0, 0, 0]
+    assert y.tolist() == [10, 11, 12, 2] + [IGNORE_INDEX] * 4
+    assert x.dtype == y.dtype == torch.long
+
+
+def test_documents_longer_than_seq_len_are_clipped(tokenizer):
+    texts = datasets.Dataset.from_dict({"text": [" ".join(["word"] * 100)]})
+    framed = data.tokenize(texts, tokenizer, seq_len=8)[0]["input_ids"]
+    assert len(framed) == 9 and framed[0] == tokenizer.token_to_id(BOT)
+    assert tokenizer.token_to_id(EOT) not in framed  # clipped before the end
+    x, y = PaddedSequenceDataset(data.tokenize(texts, tokenizer, 8), 8, 0)[0]
+    assert x.tolist() == framed[:8] and y.tolist() == framed[1:]
+
+
+def test_tokenize_frames_every_document_with_bot_and_eot(tokenizer):
+    framed = data.tokenize(datasets.Dataset.from_dict({"text": DOCS}), tokenizer, seq_len=512)
+    for text, ids in zip(DOCS, framed["input_ids"]):
+        assert ids[0] == tokenizer.token_to_id(BOT) and ids[-1] == tokenizer.token_to_id(EOT)
+        assert tokenizer.decode(ids[1:-1]) == text
+
+
+def test_tokenizer_round_trip_and_special_tokens(tokenizer, tmp_path):
+    assert [tokenizer.token_to_id(t) for t in (PAD, BOT, EOT)] == [0, 1, 2]
+    for text in DOCS + ["never seen: 日本語 and tabs\t\n"]:  # byte-level: nothing is unknown
+        assert tokenizer.decode(tokenizer.encode(text).ids) == text
+    tokenizer.save(str(tmp_path / "tok.json"))
+    assert data.load_tokenizer(tmp_path / "tok.json").to_str() == tokenizer.to_str()
+
+
+def test_tokenizer_without_special_tokens_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    plain = Tokenizer(models.BPE())
+    plain.pre_tokenizer = pre_tokenizers.ByteLevel()
+    plain.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    plain.save(str(tmp_path / "plain.json"))
+    with pytest.raises(UsageError, match=r"lacks the special tokens \[PAD\], \[BOT\], \[EOT\]"):
+        data.load_tokenizer(tmp_path / "plain.json")
+
+
+def test_tokenizing_happens_once_and_is_read_back_from_the_cache(tokenizer, tmp_path):
+    (tmp_path / "c.txt").write_text("\n".join(DOCS) + "\n")
+    texts = data.load_corpus(str(tmp_path / "c.txt"))
+    first = data.tokenize(texts, tokenizer, seq_len=16)
+    second = data.tokenize(texts, tokenizer, seq_len=16)  # what the other ranks do
+    assert first.cache_files and first.cache_files == second.cache_files
+    assert first._fingerprint == second._fingerprint
+
+
+# ---- every --dataset form ---------------------------------------------------------------
+
+def test_txt_file_is_one_document_per_line_and_blank_lines_are_dropped(tmp_path):
+    (tmp_path / "c.txt").write_text("first doc\n\n   \nsecond doc\nthird doc\n")
+    assert data.load_corpus(str(tmp_path / "c.txt"))["text"] == ["first doc", "second doc", "third doc"]
+
+
+def test_jsonl_json_and_parquet_files_with_a_text_column(tmp_path):
+    records = [{"body": "alpha", "id": 1}, {"body": "beta", "id": 2}]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    (tmp_path / "b.json").write_text(json.dumps(records))
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "c.parquet")
+    for name in ("a.jsonl", "b.json", "c.parquet"):
+        ds = data.load_corpus(str(tmp_path / name), text_column="body")
+        assert ds.column_names == ["text"] and ds["text"] == ["alpha", "beta"]
+
+
+def test_folder_of_mixed_files(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "one.txt").write_text("from txt\n")
+    (tmp_path / "sub" / "two.jsonl").write_text(json.dumps({"text": "from jsonl"}) + "\n")
+    pq.write_table(pa.Table.from_pylist([{"text": "from parquet"}]), tmp_path / "three.parquet")
+    (tmp_path / "README.md").write_text("not data")  # other files are ignored
+    assert sorted(data.load_corpus(str(tmp_path))["text"]) == ["from jsonl", "from parquet", "from txt"]
+
+
+def test_hub_dataset_id_passes_config_and_split_to_load_dataset(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_dict({"content": ["a hub document", ""], "n": [1, 2]})
+
+    monkeypatch.setattr(data.datasets, "load_dataset", fake_load_dataset)
+    ds = data.load_corpus("HuggingFaceFW/fineweb", "sample-10BT", "train[:1%]", text_column="content")
+    assert calls == [("HuggingFaceFW/fineweb", "sample-10BT", "train[:1%]")]
+    assert ds["text"] == ["a hub document"]  # the empty document is dropped
+    data.load_corpus("some/dataset", text_column="content")
+    assert calls[-1] == ("some/dataset", None, "train")
+
+
+def test_unreachable_hub_dataset_is_a_clear_error():
+    with pytest.raises(UsageError, match="cannot load Hub dataset 'no-such-user/no-such-dataset'"):
+        data.load_corpus("no-such-user/no-such-dataset")  # offline in the tests
+
+
+@pytest.mark.parametrize("setup, kwargs, message", [
+    (None, {"dataset": "missing/corpus.txt"}, "not found"),
+    ("", {}, "no non-empty documents"),
+    ("\n  \n", {}, "no non-empty documents"),
+    ('{"body": "x"}\n', {"text_column": "text"}, "has no column 'text' \\(columns: body\\)"),
+    ('{"text": 5}\n', {}, "not text"),
+    (None, {"dataset_config": "x"}, "apply to Hub datasets only"),
+    (None, {"split": "test"}, "apply to Hub datasets only"),
+])
+def test_bad_datasets_are_clear_errors(tmp_path, setup, kwargs, message):
+    path = tmp_path / ("c.jsonl" if setup and "{" in setup else "c.txt")
+    if setup is not None:
+        path.write_text(setup)
+    kwargs = {"dataset": str(path) if setup is not None else data.EMBEDDED_CORPUS, **kwargs}
+    with pytest.raises(UsageError, match=message):
+        data.load_corpus(**kwargs)
+
+
+def test_embedded_corpus_is_pythons_standard_library_without_tests():
+    files = data.stdlib_files()
+    assert len(files) > 300
+    assert not [f for f in files if "/test/" in f or "/tests/" in f or "site-packages" in f
+                or f.rsplit("/", 1)[1].startswith("test_")]
+    assert any(f.endswith("/json/decoder.py") for f in files)
+    ds = data.load_corpus(data.EMBEDDED_CORPUS)  # offline: HF_HUB_OFFLINE is set for the tests
+    assert len(ds) > 3000
+    lengths = [len(t) for t in ds["text"][:2000]]
+    assert sum(lengths) / len(lengths) > 300 and sorted(lengths)[len(lengths) // 2] <= 1500
+
+
+def test_validation_split_is_held_out_and_deterministic():
+    ds = datasets.Dataset.from_dict({"text": [f"doc {i}" for i in range(100)]})
+    train, val = data.split_train_val(ds, 7, seed=1)
+    assert len(val) == 7 and len(train) == 93
+    assert not set(train["text"]) & set(val["text"])
+    assert data.split_train_val(ds, 7, seed=1)[1]["text"] == val["text"]
+    with pytest.raises(UsageError):
+        data.split_train_val(ds, 100, seed=1)
+
+
+# ---- the sampler ------------------------------------------------------------------------
+
+def global_batches(n, batch_size, world_size, epoch, seed=3):
+    """What each step's global batch is when world_size ranks each take batch_size/world_size."""
+    per_rank = batch_size // world_size
+    shards = []
+    for rank in range(world_size):
+        sampler = ResumableDistributedSampler(range(n), num_replicas=world_size, rank=rank,
+                                              shuffle=True, seed=seed, drop_last=True)
+        sampler.set_epoch(epoch)
+        shards.append(list(sampler))
+    steps = n // batch_size
+    return [sorted(i for shard in shards for i in shard[s * per_rank:(s + 1) * per_rank]) for s in range(steps)]
+
+
+def test_every_world_size_sees_the_same_global_batches():
+    for epoch in (0, 1):
+        one = global_batches(103, 12, 1, epoch)
+        assert len(one) == 8
+        assert global_batches(103, 12, 2, epoch) == one
+        assert global_batches(103, 12, 4, epoch) == one
+    assert global_batches(103, 12, 1, 0) != global_batches(103, 12, 1, 1)  # set_epoch reshuffles
+
+
+def test_sampler_can_start_part_way_through_an_epoch():
+    sampler = ResumableDistributedSampler(range(50), num_replicas=2, rank=1, shuffle=True, seed=0)
+    sampler.set_epoch(4)
+    full = list(sampler)
+    sampler.set_epoch(4, start=6)
+    assert list(sampler) == full[6:] and len(sampler) == len(full) - 6

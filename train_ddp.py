@@ -1,0 +1,195 @@
+"""Train the Llama model with DistributedDataParallel: one process per GPU, launched by torchrun.
+
+    torchrun --standalone --nproc_per_node=4 train_ddp.py      # 4 GPUs (or 4 CPU processes)
+    python train_ddp.py                                         # a world of one process
+
+DDP starts one process per device. Each builds the same model (DDP broadcasts rank 0's
+weights at construction), reads its own 1/world_size of every global batch through a
+DistributedSampler, and during backward all-reduces gradients bucket by bucket while the
+rest of backward still runs. Every rank then takes the same optimizer step, so the
+replicas never drift and nothing is copied between steps: no GPU 0 bottleneck, no GIL.
+This file is train_dp.py plus exactly those changes: read `diff train_dp.py train_ddp.py`.
+"""
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+import training
+from data import ResumableDistributedSampler, UsageError
+from model import IGNORE_INDEX
+
+
+def leader_first(is_leader: bool, fn):
+    """Run fn on the leaders, then on everyone else. Local rank 0 of each node downloads
+    and tokenizes first; the others then read what `datasets` cached instead of racing
+    to write the same cache files. A UsageError on any rank ends every rank cleanly."""
+    result, error = None, None
+    if is_leader:
+        try:
+            result = fn()
+        except UsageError as e:
+            error = str(e)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)  # doubles as the barrier between the two turns
+    if any(errors):
+        raise UsageError(next(e for e in errors if e))
+    return result if is_leader else fn()
+
+
+def from_rank0(fn):
+    """Run fn on rank 0 only and give every rank its (picklable) result, or its UsageError."""
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [(fn(), None)]
+        except UsageError as e:
+            box = [(None, str(e))]
+    dist.broadcast_object_list(box)
+    result, error = box[0]
+    if error:
+        raise UsageError(error)
+    return result
+
+
+def main():
+    cfg = training.parse_args(ddp=True, description=__doc__)
+    # DDP: torchrun tells each process who it is. RANK: its place in the whole job;
+    # LOCAL_RANK: its place on this machine, which picks the GPU (RANK would pick GPU 5
+    # on a 4-GPU node 2). Under plain `python` it is a world of one.
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    micro_batch = training.check_batch(cfg, world_size)  # per process, per micro-step
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # before init, else every rank opens a context on GPU 0
+    else:
+        device = torch.device("cpu")
+    backend = cfg.backend or ("nccl" if device.type == "cuda" else "gloo")
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)  # reads MASTER_ADDR/PORT, RANK, WORLD_SIZE from torchrun
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        train(cfg, rank, local_rank, world_size, micro_batch, device)
+    finally:
+        dist.destroy_process_group()  # on every exit path, errors included
+
+
+def train(cfg, rank, local_rank, world_size, micro_batch, device):
+    # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
+    ckpt = training.check_out_dir(cfg)  # refuses to overwrite a run; loads it on --resume
+    train_text, val_text = leader_first(local_rank == 0, lambda: training.load_text(cfg))
+    # one tokenizer for the whole job: rank 0 trains (or loads) it and sends it to all
+    tokenizer = Tokenizer.from_str(from_rank0(lambda: training.get_tokenizer(cfg, train_text).to_str()))
+    train_ds, val_ds = leader_first(local_rank == 0, lambda: training.make_datasets(
+        cfg, tokenizer, train_text, val_text))
+    steps_per_epoch = len(train_ds) // cfg.batch_size  # full global batches only
+    total_steps = training.total_steps(cfg, steps_per_epoch)
+
+    # ---- model and optimizer ----
+    raw_model = training.build_model(cfg, tokenizer.get_vocab_size()).to(device)
+    optimizer, scheduler = training.make_optimizer(raw_model, cfg, total_steps)
+    step = 0
+    if ckpt:
+        training.check_resume(ckpt, cfg, raw_model, steps_per_epoch)
+        step = training.restore(ckpt, raw_model, optimizer, scheduler)
+        if rank == 0:
+            print(f"resumed from {cfg.out_dir}/{training.CHECKPOINT} at step {step}")
+    if rank == 0:  # every file is written by rank 0 only
+        training.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
+    # DDP: one replica per process; gradients are all-reduced during backward
+    model = DDP(raw_model, device_ids=[local_rank] if device.type == "cuda" else None)
+
+    # Each rank reads every world_size-th sample of one shared permutation, so the ranks'
+    # batches together are exactly the global batch that train_dp.py sees at this step.
+    sampler = ResumableDistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True,
+                                          seed=cfg.seed, drop_last=True)
+    loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
+                        pin_memory=device.type == "cuda")
+    val_loader = training.val_loader(val_ds, rank=rank, world_size=world_size, batch_size=micro_batch)
+    metrics = training.MetricsLog(cfg.out_dir, enabled=rank == 0)
+    if rank == 0:
+        print(f"{raw_model.num_parameters() / 1e6:.1f}M parameters | {len(train_ds)} training sequences | "
+              f"{steps_per_epoch} steps per epoch | {total_steps} steps | {micro_batch} sequences x "
+              f"{cfg.grad_accum} micro-steps per step x {world_size} ranks | device {device} ({dist.get_backend()})")
+
+    # ---- training loop ----
+    out = Path(cfg.out_dir)
+    last_step = min(total_steps, cfg.stop_at_step or total_steps)
+    train_totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, targets] since last log
+    pbar = tqdm(total=total_steps, initial=step, dynamic_ncols=True, disable=rank != 0)
+    loader_iter, t0, steps_timed = None, time.perf_counter(), 0
+    while step < last_step:
+        epoch, step_in_epoch = divmod(step, steps_per_epoch)
+        if loader_iter is None or step_in_epoch == 0:
+            # a new epoch reshuffles; a resumed run skips the samples it has already seen
+            sampler.set_epoch(epoch, start=step_in_epoch * micro_batch * cfg.grad_accum)
+            loader_iter = iter(loader)
+        batches = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                   for x, y in (next(loader_iter) for _ in range(cfg.grad_accum))]
+        # Real (non-pad) targets in this whole optimizer step. Dividing each micro-batch's
+        # summed loss by this count weighs every token the same, however many pads there are.
+        n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in batches)
+        dist.all_reduce(n_tokens)  # DDP: count the targets of every rank's share of the step
+        for i, (x, y) in enumerate(batches):
+            # Only the last micro-step all-reduces gradients; the others accumulate locally.
+            # no_sync must wrap forward too, not just backward, or DDP syncs anyway.
+            with model.no_sync() if i < cfg.grad_accum - 1 else contextlib.nullcontext():
+                loss_sum = model(x, y)[0].sum()
+                # DDP averages gradients over ranks; times world_size makes that a sum, so
+                # every token in the global step weighs the same, as in one process.
+                (loss_sum * world_size / n_tokens).backward()
+            train_totals[0] += loss_sum.detach()
+        train_totals[1] += n_tokens
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        steps_timed += 1
+        pbar.update()
+
+        if step % cfg.log_every == 0 or step == last_step:
+            dist.all_reduce(train_totals[:1])  # loss sums of every rank (the counts are global already)
+            loss = (train_totals[0] / train_totals[1]).item()  # token-weighted mean since last log
+            tokens_per_s = steps_timed * cfg.batch_size * cfg.seq_len / (time.perf_counter() - t0)
+            metrics.write(step=step, epoch=epoch, loss=loss, lr=lr, tokens_per_s=tokens_per_s)
+            pbar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+            train_totals.zero_()
+            t0, steps_timed = time.perf_counter(), 0
+        pause = time.perf_counter()  # evaluation and saving do not count as training time
+        if step % cfg.eval_every == 0 or step == last_step:
+            totals = training.evaluate(raw_model, val_loader, device)  # the plain module: no DDP hooks
+            dist.all_reduce(totals)  # [loss sum, targets] over every rank's shard
+            val_loss = (totals[0] / totals[1]).item()
+            metrics.write(step=step, epoch=epoch, val_loss=val_loss)
+            tqdm.write(f"step {step}: val loss {val_loss:.4f}")
+        if step % cfg.save_every == 0 or step == last_step:
+            if rank == 0:  # one writer; no collective and no DDP call inside this branch
+                state = training.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, steps_per_epoch)
+                training.atomic_save(state, out / training.CHECKPOINT)
+            dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is in place
+        t0 += time.perf_counter() - pause
+    pbar.close()
+
+    if rank == 0 and step == total_steps:
+        training.atomic_save(raw_model.state_dict(), out / training.MODEL)  # not model.state_dict(): no `module.`
+        print(f"done: {step} steps; weights in {out / training.MODEL}")
+    elif rank == 0:
+        print(f"stopped after step {step} of {total_steps}; continue with --resume")
+
+
+if __name__ == "__main__":
+    training.run(main)

@@ -1,0 +1,351 @@
+"""What train_dp.py and train_ddp.py share: flags, data preparation, optimizer and
+schedule, checkpoints, evaluation and metrics. Nothing here knows about DataParallel or
+DDP; the two scripts hold exactly the parts that differ.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+import data
+from data import UsageError
+from model import PRESETS, LlamaConfig, LlamaForPretraining
+
+CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS = (
+    "checkpoint.pt", "model.pt", "tokenizer.json", "config.json", "metrics.jsonl")
+RUN_FILES = (CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS)
+
+
+def flag(default, help, **kwargs):
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+@dataclass
+class TrainConfig:
+    """Every flag of both scripts. `None` for a preset-dependent field means "take it
+    from TRAINING_PRESETS for --model"."""
+
+    # data
+    dataset: str = flag(data.EMBEDDED_CORPUS, "Hub dataset id, a local .txt/.jsonl/.json/.parquet file "
+                        "or folder of them, or 'stdlib': the embedded corpus (Python's own standard library)")
+    dataset_config: str | None = flag(None, "Hub dataset configuration, e.g. sample-10BT", type=str)
+    split: str | None = flag(None, "Hub dataset split (default: train)", type=str)
+    text_column: str = flag("text", "column that holds the documents")
+    val_docs: int | None = flag(None, "documents held out for validation (default: 1%%, at most 1000)", type=int)
+    tokenizer: str | None = flag(None, "tokenizer.json to use instead of training a BPE", type=str)
+    vocab_size: int | None = flag(None, "BPE vocabulary size to train", type=int)
+    # model and batch
+    model: str = flag("tiny", "model preset", choices=sorted(PRESETS))
+    seq_len: int | None = flag(None, "tokens per sequence", type=int)
+    batch_size: int | None = flag(None, "GLOBAL sequences per optimizer step (all ranks, all micro-batches)", type=int)
+    grad_accum: int = flag(1, "micro-batches per optimizer step")
+    # optimization (REFERENCE.md's recipe)
+    epochs: int = flag(3, "passes over the training data")
+    max_steps: int | None = flag(None, "optimizer steps (default: all epochs); also sets the LR schedule's length", type=int)
+    lr: float = flag(1e-3, "peak learning rate")
+    warmup_steps: int | None = flag(None, "linear warmup from 0.1x to 1x the peak LR, then cosine to 0", type=int)
+    weight_decay: float = flag(0.1, "AdamW weight decay (matrices and embeddings only)")
+    grad_clip: float = flag(1.0, "clip the global gradient L2 norm to this (0: off)")
+    seed: int = flag(1337, "seed for weights, data order and the validation split")
+    # output
+    out_dir: str = flag("out", "folder for checkpoint.pt, model.pt, tokenizer.json, config.json, metrics.jsonl")
+    save_every: int | None = flag(None, "save a checkpoint every N steps (and at the end)", type=int)
+    eval_every: int | None = flag(None, "evaluate on the held-out split every N steps (and at the end)", type=int)
+    log_every: int = flag(10, "log the loss every N steps")
+    resume: bool = flag(False, "continue the run in --out-dir from its checkpoint.pt")
+    stop_at_step: int | None = flag(None, "save and exit after this step; continue later with --resume", type=int)
+    backend: str | None = flag(None, "process-group backend (default: nccl on CUDA, gloo on CPU)", type=str,
+                               choices=["nccl", "gloo"], ddp_only=True)
+
+
+# Defaults that depend on --model. `article` is REFERENCE.md's recipe; `tiny` is the demo
+# that runs with no arguments and finishes in a few minutes on a 2-core CPU.
+TRAINING_PRESETS = {
+    "tiny": dict(vocab_size=4096, seq_len=128, batch_size=16, max_steps=250, warmup_steps=25,
+                 save_every=100, eval_every=50),
+    "article": dict(vocab_size=50000, seq_len=512, batch_size=64, max_steps=None, warmup_steps=1000,
+                    save_every=1000, eval_every=1000),
+}
+
+# Flags that must not change when a run is resumed: they decide the model, the data, the
+# global batch or the LR schedule. --grad-accum and the world size may change freely.
+RESUME_KEYS = ("dataset", "dataset_config", "split", "text_column", "val_docs", "vocab_size", "model",
+               "seq_len", "batch_size", "epochs", "max_steps", "lr", "warmup_steps", "weight_decay",
+               "grad_clip", "seed")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        raise UsageError(message)
+
+
+def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConfig:
+    parser = _Parser(description=description)
+    for f in dataclasses.fields(TrainConfig):
+        meta = dict(f.metadata)
+        if meta.pop("ddp_only", False) and not ddp:
+            continue
+        name = "--" + f.name.replace("_", "-")
+        if f.type is bool or f.type == "bool":
+            parser.add_argument(name, action="store_true", help=meta["help"])
+        else:
+            meta.setdefault("type", type(f.default))
+            parser.add_argument(name, default=f.default, **meta)
+    cfg = TrainConfig(**vars(parser.parse_args(argv)))
+    for key, value in TRAINING_PRESETS[cfg.model].items():
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, value)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig):
+    for key in ("seq_len", "batch_size", "grad_accum", "epochs", "max_steps", "warmup_steps", "save_every",
+                "eval_every", "log_every", "stop_at_step", "val_docs"):
+        value = getattr(cfg, key)
+        minimum = 0 if key == "warmup_steps" else 1
+        if value is not None and value < minimum:
+            raise UsageError(f"--{key.replace('_', '-')} must be at least {minimum}, got {value}")
+    for key, value in (("lr", cfg.lr), ("weight-decay", cfg.weight_decay), ("grad-clip", cfg.grad_clip)):
+        if not (math.isfinite(value) and value >= 0) or (key == "lr" and value == 0):
+            raise UsageError(f"--{key} must be a {'positive' if key == 'lr' else 'non-negative'} number, got {value}")
+    min_vocab = 256 + len(data.SPECIAL_TOKENS)  # every byte, plus the special tokens
+    if cfg.vocab_size < min_vocab:
+        raise UsageError(f"--vocab-size must be at least {min_vocab}, got {cfg.vocab_size}")
+    max_pos = PRESETS[cfg.model]["max_position_embeddings"]
+    if cfg.seq_len > max_pos:
+        raise UsageError(f"--seq-len {cfg.seq_len} exceeds the {cfg.model} model's {max_pos} positions")
+    data.check_dataset_flags(cfg.dataset, cfg.dataset_config, cfg.split)
+
+
+def check_batch(cfg: TrainConfig, world_size: int) -> int:
+    """Return the per-process micro-batch size: global batch / (world size x grad accum)."""
+    if cfg.batch_size % (world_size * cfg.grad_accum):
+        raise UsageError(f"--batch-size {cfg.batch_size} is not divisible by world size {world_size} "
+                         f"x --grad-accum {cfg.grad_accum}")
+    return cfg.batch_size // (world_size * cfg.grad_accum)
+
+
+def run(main):
+    """Call main(); turn a UsageError into one line on stderr and exit status 2."""
+    try:
+        main()
+    except UsageError as e:
+        if int(os.environ.get("RANK", 0)) == 0:  # every rank sees the same error: print it once
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+# ---------------------------------------------------------------------------------------
+# Data: three stages, so the DDP script can run each on the right ranks
+
+
+def load_text(cfg: TrainConfig):
+    """The corpus, split into training and held-out documents."""
+    corpus = data.load_corpus(cfg.dataset, cfg.dataset_config, cfg.split, cfg.text_column)
+    val_docs = cfg.val_docs or data.default_val_docs(len(corpus))
+    return data.split_train_val(corpus, val_docs, cfg.seed)
+
+
+def get_tokenizer(cfg: TrainConfig, train_text) -> Tokenizer:
+    """The run's own tokenizer on resume, else --tokenizer, else a BPE trained on train_text."""
+    if cfg.resume:
+        tokenizer = data.load_tokenizer(Path(cfg.out_dir) / TOKENIZER)
+        if cfg.tokenizer and data.load_tokenizer(cfg.tokenizer).to_str() != tokenizer.to_str():
+            raise UsageError(f"--tokenizer {cfg.tokenizer} differs from the run's {TOKENIZER}")
+        return tokenizer
+    if cfg.tokenizer:
+        return data.load_tokenizer(cfg.tokenizer)
+    return data.train_tokenizer(train_text, cfg.vocab_size)
+
+
+def make_datasets(cfg: TrainConfig, tokenizer: Tokenizer, train_text, val_text):
+    pad_id = tokenizer.token_to_id(data.PAD)
+    train = data.PaddedSequenceDataset(data.tokenize(train_text, tokenizer, cfg.seq_len), cfg.seq_len, pad_id)
+    val = data.PaddedSequenceDataset(data.tokenize(val_text, tokenizer, cfg.seq_len), cfg.seq_len, pad_id)
+    if len(train) < cfg.batch_size:
+        raise UsageError(f"dataset has {len(train)} training documents, fewer than one --batch-size "
+                         f"of {cfg.batch_size}")
+    return train, val
+
+
+def val_loader(val_ds, rank: int, world_size: int, batch_size: int):
+    """Every rank takes every world_size-th held-out sequence, without DistributedSampler's
+    padding (which repeats samples and would bias the loss); the sums are then all-reduced."""
+    shard = torch.utils.data.Subset(val_ds, range(rank, len(val_ds), world_size))
+    return torch.utils.data.DataLoader(shard, batch_size=batch_size)
+
+
+# ---------------------------------------------------------------------------------------
+# Model, optimizer, schedule
+
+
+def build_model(cfg: TrainConfig, vocab_size: int) -> LlamaForPretraining:
+    model_config = LlamaConfig(vocab_size=vocab_size, **PRESETS[cfg.model])
+    torch.manual_seed(cfg.seed)  # the same initial weights in every process and script
+    return LlamaForPretraining(model_config)
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, total_steps: int):
+    # Decay matrices and embeddings; RMSNorm gains (1-D) stay undecayed, as usual for Llama.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.99), eps=1e-8)
+    warmup = cfg.warmup_steps
+
+    def lr_factor(step):  # multiplies the peak LR
+        if step < warmup:
+            return 0.1 + 0.9 * step / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+
+def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    all_epochs = cfg.epochs * steps_per_epoch
+    return min(cfg.max_steps, all_epochs) if cfg.max_steps else all_epochs
+
+
+# ---------------------------------------------------------------------------------------
+# Output folder and checkpoints
+
+
+def check_out_dir(cfg: TrainConfig):
+    """Before anything is written: refuse to overwrite a run; on --resume load its checkpoint."""
+    out = Path(cfg.out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out-dir {out} exists and is not a folder")
+    if cfg.resume:
+        if not (out / CHECKPOINT).is_file():
+            raise UsageError(f"nothing to resume: {out / CHECKPOINT} does not exist")
+        return load_checkpoint(out / CHECKPOINT)
+    existing = [name for name in RUN_FILES if (out / name).exists()]
+    if existing:
+        raise UsageError(f"{out} already holds a run ({', '.join(existing)}): "
+                         "pass --resume to continue it, or choose another --out-dir")
+    return None
+
+
+def load_checkpoint(path) -> dict:
+    try:
+        # weights_only: tensors and plain containers only, so a crafted file cannot run code;
+        # map_location: every rank loads onto the CPU instead of all onto GPU 0.
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UsageError(f"cannot load checkpoint {path}: {data._first_line(e)}") from None
+    keys = {"model", "optimizer", "scheduler", "step", "model_config", "train_config"}
+    if not isinstance(ckpt, dict) or not keys <= ckpt.keys():
+        raise UsageError(f"{path} is not a checkpoint of this trainer")
+    return ckpt
+
+
+def check_resume(ckpt: dict, cfg: TrainConfig, model: LlamaForPretraining, steps_per_epoch: int):
+    """A resumed run must be the same run: same model, data, global batch and schedule."""
+    ours = dataclasses.asdict(model.config)
+    for key, value in ckpt["model_config"].items():
+        if ours.get(key) != value:
+            raise UsageError(f"checkpoint's model has {key}={value}, this run's has {ours.get(key)}")
+    for key in RESUME_KEYS:
+        if ckpt["train_config"].get(key) != getattr(cfg, key):
+            raise UsageError(f"--{key.replace('_', '-')} was {ckpt['train_config'].get(key)!r} in the "
+                             f"checkpoint's run, now {getattr(cfg, key)!r}: resume with the same value")
+    if ckpt["steps_per_epoch"] != steps_per_epoch:
+        raise UsageError(f"the dataset changed since the checkpoint ({steps_per_epoch} steps per epoch, "
+                         f"was {ckpt['steps_per_epoch']})")
+
+
+def checkpoint_state(model, optimizer, scheduler, cfg, step, steps_per_epoch) -> dict:
+    epoch, step_in_epoch = divmod(step, steps_per_epoch)
+    return {
+        "model": model.state_dict(),  # the plain module: no `module.` / `_orig_mod.` prefixes
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "steps_per_epoch": steps_per_epoch,
+        # Nothing in training draws random numbers after initialization (the data order comes
+        # from seed + epoch), but saving the generators keeps any future dropout exact too.
+        "rng": {"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+        "model_config": dataclasses.asdict(model.config),
+        "train_config": dataclasses.asdict(cfg),
+    }
+
+
+def restore(ckpt: dict, model, optimizer, scheduler) -> int:
+    """Load a checkpoint into freshly built objects (on every rank); return its step."""
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scheduler.load_state_dict(ckpt["scheduler"])
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    if ckpt["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+    return ckpt["step"]
+
+
+def atomic_save(obj, path: Path):
+    """Write to a temp file, flush it to disk, then rename: a crash mid-write leaves the
+    previous file intact, never a torn one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        if isinstance(obj, str):
+            f.write(obj.encode())
+        else:
+            torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
+    os.replace(tmp, path)
+
+
+def write_run_files(out_dir: str, tokenizer: Tokenizer, model: LlamaForPretraining):
+    """tokenizer.json and config.json: what it takes to use model.pt later."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_save(tokenizer.to_str(), out / TOKENIZER)
+    atomic_save(json.dumps(dataclasses.asdict(model.config), indent=2), out / CONFIG)
+
+
+def load_trained(out_dir: str) -> LlamaForPretraining:
+    """Rebuild the trained model from an output folder (config.json + model.pt)."""
+    out = Path(out_dir)
+    model = LlamaForPretraining(LlamaConfig(**json.loads((out / CONFIG).read_text())))
+    model.load_state_dict(torch.load(out / MODEL, map_location="cpu", weights_only=True))
+    return model
+
+
+# ---------------------------------------------------------------------------------------
+# Evaluation and metrics
+
+
+@torch.no_grad()
+def evaluate(model, loader, device) -> torch.Tensor:
+    """Return this process's [sum of token losses, number of targets] over `loader`."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for x, y in loader:
+        loss_sum, n_tokens = model(x.to(device), y.to(device))
+        totals += torch.stack([loss_sum.sum(), n_tokens.sum()])
+    model.train()
+    return totals
+
+
+class MetricsLog:
+    """Appends one JSON object per logged step to metrics.jsonl (rank 0 only)."""
+
+    def __init__(self, out_dir: str, enabled: bool):
+        self.path = Path(out_dir) / METRICS
+        self.enabled = enabled
+
+    def write(self, **row):
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
