@@ -28,12 +28,13 @@ from data import ResumableDistributedSampler, UsageError
 from model import IGNORE_INDEX
 
 
-def leader_first(is_leader: bool, fn):
-    """Run fn on the leaders, then on everyone else. Local rank 0 of each node downloads
-    and tokenizes first; the others then read what `datasets` cached instead of racing
-    to write the same cache files. A UsageError on any rank ends every rank cleanly."""
+def on_all_ranks(fn, first: bool = True):
+    """Run fn on the ranks where `first` is true, then on the rest. With first=local_rank == 0,
+    each node's local rank 0 downloads and tokenizes while the others wait, then they
+    read what `datasets` cached instead of racing to write the same files. A UsageError
+    on any rank is raised on every rank: all exit with its message, none hangs."""
     result, error = None, None
-    if is_leader:
+    if first:
         try:
             result = fn()
         except UsageError as e:
@@ -42,7 +43,7 @@ def leader_first(is_leader: bool, fn):
     dist.all_gather_object(errors, error)  # doubles as the barrier between the two turns
     if any(errors):
         raise UsageError(next(e for e in errors if e))
-    return result if is_leader else fn()
+    return result if first else fn()
 
 
 def from_rank0(fn):
@@ -87,12 +88,12 @@ def main():
 
 def train(cfg, rank, local_rank, world_size, micro_batch, device):
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
-    ckpt = training.check_out_dir(cfg)  # refuses to overwrite a run; loads it on --resume
-    train_text, val_text = leader_first(local_rank == 0, lambda: training.load_text(cfg))
+    ckpt = on_all_ranks(lambda: training.check_out_dir(cfg))  # refuses to overwrite a run; loads it on --resume
+    train_text, val_text = on_all_ranks(lambda: training.load_text(cfg), first=local_rank == 0)
     # one tokenizer for the whole job: rank 0 trains (or loads) it and sends it to all
     tokenizer = Tokenizer.from_str(from_rank0(lambda: training.get_tokenizer(cfg, train_text).to_str()))
-    train_ds, val_ds = leader_first(local_rank == 0, lambda: training.make_datasets(
-        cfg, tokenizer, train_text, val_text))
+    train_ds, val_ds = on_all_ranks(lambda: training.make_datasets(cfg, tokenizer, train_text, val_text),
+                                    first=local_rank == 0)
     steps_per_epoch = len(train_ds) // cfg.batch_size  # full global batches only
     total_steps = training.total_steps(cfg, steps_per_epoch)
 

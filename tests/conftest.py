@@ -45,7 +45,7 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def run_script(script: str, args: list[str], nproc: int = 0, wrapper: str | None = None,
-               env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+               env: dict | None = None, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run train_dp.py / train_ddp.py. nproc=0: plain python; nproc>0: torchrun with
     that many CPU processes (gloo). wrapper: a script that runs the trainer for us."""
     target = [str(REPO / wrapper), str(REPO / script)] if wrapper else [str(REPO / script)]
@@ -54,7 +54,7 @@ def run_script(script: str, args: list[str], nproc: int = 0, wrapper: str | None
                f"--nproc_per_node={nproc}", *target, *args]
     else:
         cmd = [sys.executable, *target, *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")

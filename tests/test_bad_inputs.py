@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import FAST, run_script
+from conftest import FAST, REPO, run_script
 
 
 def snapshot(folder):
@@ -106,3 +106,19 @@ def test_out_dir_that_is_a_file_is_refused(tmp_path, corpus):
     proc = run_script("train_dp.py", ["--dataset", str(corpus), *FAST, "--out-dir", str(out)], check=False)
     assert proc.returncode != 0 and proc.stderr.strip() == f"error: --out-dir {out} exists and is not a folder"
     assert out.read_text() == "I am a file"
+
+
+def test_an_error_under_torchrun_is_printed_once_and_ends_every_rank(tmp_path, corpus):
+    """Local rank 0 meets the error while loading; rank 1 is waiting for it. Both must exit
+    with the message (rank 0 prints it) instead of rank 1 waiting forever."""
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "a document"}) + "\n")
+    out = tmp_path / "out"
+    proc = run_script("train_ddp.py", ["--dataset", str(tmp_path / "c.jsonl"), *FAST, "--text-column", "body",
+                                       "--out-dir", str(out)], nproc=2, check=False, timeout=120)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert ours == [f"error: dataset {tmp_path / 'c.jsonl'} has no column 'body' (columns: text)"]
+    # torchrun then reports the failed workers with a traceback of its own launcher, but no
+    # worker raised: no frame of our code appears
+    assert f'File "{REPO}' not in proc.stderr
+    assert not out.exists()
