@@ -118,7 +118,7 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device):
     loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
                         pin_memory=device.type == "cuda")
     val_loader = training.val_loader(val_ds, rank=rank, world_size=world_size, batch_size=micro_batch)
-    metrics = training.MetricsLog(cfg.out_dir, enabled=rank == 0)
+    metrics = training.MetricsLog(cfg.out_dir, enabled=rank == 0, resume_step=step)
     if rank == 0:
         print(f"{raw_model.num_parameters() / 1e6:.1f}M parameters | {len(train_ds)} training sequences | "
               f"{steps_per_epoch} steps per epoch | {total_steps} steps | {micro_batch} sequences x "

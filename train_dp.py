@@ -56,7 +56,7 @@ def main():
     loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
                         pin_memory=device.type == "cuda")
     val_loader = training.val_loader(val_ds, rank=0, world_size=1, batch_size=micro_batch)
-    metrics = training.MetricsLog(cfg.out_dir, enabled=True)
+    metrics = training.MetricsLog(cfg.out_dir, enabled=True, resume_step=step)
     print(f"{raw_model.num_parameters() / 1e6:.1f}M parameters | {len(train_ds)} training sequences | "
           f"{steps_per_epoch} steps per epoch | {total_steps} steps | {micro_batch} sequences x "
           f"{cfg.grad_accum} micro-steps per step | device {device}")

@@ -100,8 +100,10 @@ def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConf
             meta.setdefault("type", type(f.default))
             parser.add_argument(name, default=f.default, **meta)
     cfg = TrainConfig(**vars(parser.parse_args(argv)))
+    if cfg.tokenizer and cfg.vocab_size is not None:
+        raise UsageError("--vocab-size sets the size of a tokenizer to train; --tokenizer brings its own")
     for key, value in TRAINING_PRESETS[cfg.model].items():
-        if getattr(cfg, key) is None:
+        if getattr(cfg, key) is None and not (key == "vocab_size" and cfg.tokenizer):
             setattr(cfg, key, value)
     validate(cfg)
     return cfg
@@ -118,7 +120,7 @@ def validate(cfg: TrainConfig):
         if not (math.isfinite(value) and value >= 0) or (key == "lr" and value == 0):
             raise UsageError(f"--{key} must be a {'positive' if key == 'lr' else 'non-negative'} number, got {value}")
     min_vocab = 256 + len(data.SPECIAL_TOKENS)  # every byte, plus the special tokens
-    if cfg.vocab_size < min_vocab:
+    if cfg.vocab_size is not None and cfg.vocab_size < min_vocab:
         raise UsageError(f"--vocab-size must be at least {min_vocab}, got {cfg.vocab_size}")
     max_pos = PRESETS[cfg.model]["max_position_embeddings"]
     if cfg.seq_len > max_pos:
@@ -231,9 +233,12 @@ def check_out_dir(cfg: TrainConfig):
             raise UsageError(f"nothing to resume: {out / CHECKPOINT} does not exist")
         return load_checkpoint(out / CHECKPOINT)
     existing = [name for name in RUN_FILES if (out / name).exists()]
-    if existing:
+    if (out / CHECKPOINT).exists() or (out / MODEL).exists():
         raise UsageError(f"{out} already holds a run ({', '.join(existing)}): "
                          "pass --resume to continue it, or choose another --out-dir")
+    if existing:
+        raise UsageError(f"{out} holds files of a run that never saved a checkpoint "
+                         f"({', '.join(existing)}): delete them, or choose another --out-dir")
     return None
 
 
@@ -339,11 +344,15 @@ def evaluate(model, loader, device) -> torch.Tensor:
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step to metrics.jsonl (rank 0 only)."""
+    """Appends one JSON object per logged step to metrics.jsonl (rank 0 only). A resumed
+    run first drops the rows logged after its checkpoint: those steps are trained again."""
 
-    def __init__(self, out_dir: str, enabled: bool):
+    def __init__(self, out_dir: str, enabled: bool, resume_step: int = 0):
         self.path = Path(out_dir) / METRICS
         self.enabled = enabled
+        if enabled and resume_step and self.path.exists():
+            rows = self.path.read_text().splitlines(keepends=True)
+            atomic_save("".join(r for r in rows if json.loads(r)["step"] <= resume_step), self.path)
 
     def write(self, **row):
         if self.enabled:

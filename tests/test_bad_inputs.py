@@ -55,6 +55,8 @@ FRESH_RUN_CASES = [
      "has no column 'body' (columns: text)"),
     ("tokenizer-without-special-tokens", "train_dp.py", ["--tokenizer", "{plain_tokenizer}"],
      "lacks the special tokens [PAD], [BOT], [EOT]"),
+    ("vocab-size-with-tokenizer", "train_dp.py", ["--tokenizer", "{plain_tokenizer}", "--vocab-size", "500"],
+     "--tokenizer brings its own"),
     ("unknown-preset", "train_dp.py", ["--model", "huge"], "invalid choice: 'huge'"),
     ("zero-lr", "train_dp.py", ["--lr", "0"], "--lr must be a positive number"),
     ("zero-steps", "train_ddp.py", ["--max-steps", "0"], "--max-steps must be at least 1"),
@@ -72,7 +74,8 @@ def test_bad_invocation_of_a_new_run(tmp_path, corpus, plain_tokenizer, case, sc
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("the user's own file")  # must survive untouched
-    args = ["--dataset", str(corpus), *FAST, *[fill.get(a, a) for a in extra]]
+    fast = [a for a in FAST if a not in ("--vocab-size", "300")] if "--tokenizer" in extra else FAST
+    args = ["--dataset", str(corpus), *fast, *[fill.get(a, a) for a in extra]]
     check_refused(script, args, out, message)
 
 
@@ -100,6 +103,15 @@ def test_bad_invocation_against_an_existing_run(tmp_path, corpus, finished_run, 
     check_refused(script, ["--dataset", str(corpus), *FAST, *extra], out, message)
 
 
+def test_leftovers_of_a_run_that_never_saved_a_checkpoint_are_not_overwritten(tmp_path, corpus):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}")
+    (out / "metrics.jsonl").write_text('{"step": 10}\n')
+    check_refused("train_dp.py", ["--dataset", str(corpus), *FAST], out,
+                  "holds files of a run that never saved a checkpoint (tokenizer.json, metrics.jsonl)")
+
+
 def test_out_dir_that_is_a_file_is_refused(tmp_path, corpus):
     out = tmp_path / "out"
     out.write_text("I am a file")
@@ -120,5 +132,6 @@ def test_an_error_under_torchrun_is_printed_once_and_ends_every_rank(tmp_path, c
     assert ours == [f"error: dataset {tmp_path / 'c.jsonl'} has no column 'body' (columns: text)"]
     # torchrun then reports the failed workers with a traceback of its own launcher, but no
     # worker raised: no frame of our code appears
-    assert f'File "{REPO}' not in proc.stderr
+    for ours in ("train_ddp.py", "training.py", "data.py", "model.py"):
+        assert f'File "{REPO / ours}"' not in proc.stderr
     assert not out.exists()

@@ -101,9 +101,12 @@ def test_resume_is_bitwise_exact(runs):
     half = runs("dp_half", "train_dp.py", ["--stop-at-step", "4"])
     assert not (half / "model.pt").exists()  # stopped early: a checkpoint, no final weights
     assert torch.load(half / "checkpoint.pt", weights_only=True, map_location="cpu")["step"] == 4
+    # a run killed after logging step 6 but before its next checkpoint leaves a stale row
+    with open(half / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 6, "epoch": 0, "loss": 99.0, "lr": 0.0, "tokens_per_s": 1.0}) + "\n")
     run_script("train_dp.py", ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(half), "--resume"])
     assert max_weight_diff(load_weights(straight), load_weights(half)) == 0.0
-    # metrics.jsonl continues where it stopped, with the same losses as the straight run
+    # metrics.jsonl continues from the checkpoint's step, with the same losses as the straight run
     assert without_speed(metrics(half)) == without_speed(metrics(straight))
 
 
@@ -120,6 +123,14 @@ def test_a_dataparallel_checkpoint_resumes_under_ddp_on_two_ranks(runs):
     run_script("train_ddp.py", ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(half), "--resume"],
                nproc=2)
     assert max_weight_diff(load_weights(straight), load_weights(half)) < DDP_TOLERANCE
+
+
+def test_a_saved_tokenizer_reproduces_the_run(runs, tmp_path):
+    first = runs("dp", "train_dp.py")
+    args = [a for a in FAST if a not in ("--vocab-size", "300")]  # the tokenizer brings its vocabulary
+    run_script("train_dp.py", ["--dataset", str(runs.corpus), *args, "--tokenizer", str(first / "tokenizer.json"),
+                               "--out-dir", str(tmp_path / "again")])
+    assert max_weight_diff(load_weights(first), load_weights(tmp_path / "again")) == 0.0
 
 
 def ddp_two_ranks(runs):
