@@ -12,6 +12,7 @@ This file is train_dp.py plus exactly those changes: read `diff train_dp.py trai
 """
 
 import contextlib
+import datetime
 import os
 import time
 from pathlib import Path
@@ -76,10 +77,11 @@ def main():
     else:
         device = torch.device("cpu")
     backend = cfg.backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = datetime.timedelta(minutes=cfg.timeout_minutes)  # how long a collective may wait
     if "RANK" in os.environ:
-        dist.init_process_group(backend)  # reads MASTER_ADDR/PORT, RANK, WORLD_SIZE from torchrun
+        dist.init_process_group(backend, timeout=timeout)  # MASTER_ADDR/PORT, RANK, WORLD_SIZE from torchrun
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     try:
         train(cfg, rank, local_rank, world_size, micro_batch, device)
     finally:
@@ -91,7 +93,8 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device):
     ckpt = on_all_ranks(lambda: training.check_out_dir(cfg))  # refuses to overwrite a run; loads it on --resume
     train_text, val_text = on_all_ranks(lambda: training.load_text(cfg), first=local_rank == 0)
     # one tokenizer for the whole job: rank 0 trains (or loads) it and sends it to all
-    tokenizer = Tokenizer.from_str(from_rank0(lambda: training.get_tokenizer(cfg, train_text).to_str()))
+    tokenizer = Tokenizer.from_str(from_rank0(
+        lambda: training.get_tokenizer(cfg, train_text, resuming=ckpt is not None).to_str()))
     train_ds, val_ds = on_all_ranks(lambda: training.make_datasets(cfg, tokenizer, train_text, val_text),
                                     first=local_rank == 0)
     steps_per_epoch = len(train_ds) // cfg.batch_size  # full global batches only
@@ -105,7 +108,7 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device):
         training.check_resume(ckpt, cfg, raw_model, steps_per_epoch)
         step = training.restore(ckpt, raw_model, optimizer, scheduler)
         if rank == 0:
-            print(f"resumed from {cfg.out_dir}/{training.CHECKPOINT} at step {step}")
+            print(f"resumed from {ckpt['path']} at step {step} (restart {training.restart_count()})")
     if rank == 0:  # every file is written by rank 0 only
         training.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
     # DDP: one replica per process; gradients are all-reduced during backward
@@ -119,6 +122,8 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device):
                         pin_memory=device.type == "cuda")
     val_loader = training.val_loader(val_ds, rank=rank, world_size=world_size, batch_size=micro_batch)
     metrics = training.MetricsLog(cfg.out_dir, enabled=rank == 0, resume_step=step)
+    writer = training.CheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
+    stop = training.StopSignal()  # SIGTERM/SIGUSR1: finish the step, save, exit 0
     if rank == 0:
         print(f"{raw_model.num_parameters() / 1e6:.1f}M parameters | {len(train_ds)} training sequences | "
               f"{steps_per_epoch} steps per epoch | {total_steps} steps | {micro_batch} sequences x "
@@ -129,7 +134,7 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device):
     last_step = min(total_steps, cfg.stop_at_step or total_steps)
     train_totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, targets] since last log
     pbar = tqdm(total=total_steps, initial=step, dynamic_ncols=True, disable=rank != 0)
-    loader_iter, t0, steps_timed = None, time.perf_counter(), 0
+    loader_iter, t0, steps_timed, preempted = None, time.perf_counter(), 0, False
     while step < last_step:
         epoch, step_in_epoch = divmod(step, steps_per_epoch)
         if loader_iter is None or step_in_epoch == 0:
@@ -161,6 +166,11 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device):
         step += 1
         steps_timed += 1
         pbar.update()
+        # The signal reaches the ranks at different moments; one tiny all-reduce per step
+        # makes all of them stop after the same step instead of racing.
+        flag = torch.tensor([stop.requested], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        preempted = bool(flag.item())
 
         if step % cfg.log_every == 0 or step == last_step:
             dist.all_reduce(train_totals[:1])  # loss sums of every rank (the counts are global already)
@@ -170,26 +180,29 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device):
             pbar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
             train_totals.zero_()
             t0, steps_timed = time.perf_counter(), 0
-        pause = time.perf_counter()  # evaluation and saving do not count as training time
+        pause = time.perf_counter()  # saving and evaluation do not count as training time
+        if (step % cfg.save_every == 0 or step == last_step or preempted) and rank == 0:
+            # One writer, and no collective or DDP call inside this branch. The write runs in
+            # a background thread, so the other ranks never wait in a collective for the disk.
+            writer.save(training.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, steps_per_epoch))
+        if preempted:
+            break
         if step % cfg.eval_every == 0 or step == last_step:
             totals = training.evaluate(raw_model, val_loader, device)  # the plain module: no DDP hooks
             dist.all_reduce(totals)  # [loss sum, targets] over every rank's shard
             val_loss = (totals[0] / totals[1]).item()
             metrics.write(step=step, epoch=epoch, val_loss=val_loss)
             tqdm.write(f"step {step}: val loss {val_loss:.4f}")
-        if step % cfg.save_every == 0 or step == last_step:
-            if rank == 0:  # one writer; no collective and no DDP call inside this branch
-                state = training.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, steps_per_epoch)
-                training.atomic_save(state, out / training.CHECKPOINT)
-            dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is in place
         t0 += time.perf_counter() - pause
     pbar.close()
+    writer.wait()  # the last checkpoint is on disk before we go on
 
     if rank == 0 and step == total_steps:
         training.atomic_save(raw_model.state_dict(), out / training.MODEL)  # not model.state_dict(): no `module.`
         print(f"done: {step} steps; weights in {out / training.MODEL}")
     elif rank == 0:
-        print(f"stopped after step {step} of {total_steps}; continue with --resume")
+        print(f"{'stopped by a signal' if preempted else 'stopped'} after step {step} of "
+              f"{total_steps}; checkpoint saved, continue with --resume")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def main():
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
     ckpt = training.check_out_dir(cfg)  # refuses to overwrite a run; loads it on --resume
     train_text, val_text = training.load_text(cfg)
-    tokenizer = training.get_tokenizer(cfg, train_text)
+    tokenizer = training.get_tokenizer(cfg, train_text, resuming=ckpt is not None)
     train_ds, val_ds = training.make_datasets(cfg, tokenizer, train_text, val_text)
     steps_per_epoch = len(train_ds) // cfg.batch_size  # full global batches only
     total_steps = training.total_steps(cfg, steps_per_epoch)
@@ -44,7 +44,7 @@ def main():
     if ckpt:
         training.check_resume(ckpt, cfg, raw_model, steps_per_epoch)
         step = training.restore(ckpt, raw_model, optimizer, scheduler)
-        print(f"resumed from {cfg.out_dir}/{training.CHECKPOINT} at step {step}")
+        print(f"resumed from {ckpt['path']} at step {step} (restart {training.restart_count()})")
     training.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
     # DataParallel: one process drives every visible GPU
     model = nn.DataParallel(raw_model) if torch.cuda.device_count() > 1 else raw_model
@@ -57,6 +57,8 @@ def main():
                         pin_memory=device.type == "cuda")
     val_loader = training.val_loader(val_ds, rank=0, world_size=1, batch_size=micro_batch)
     metrics = training.MetricsLog(cfg.out_dir, enabled=True, resume_step=step)
+    writer = training.CheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
+    stop = training.StopSignal()  # SIGTERM/SIGUSR1: finish the step, save, exit 0
     print(f"{raw_model.num_parameters() / 1e6:.1f}M parameters | {len(train_ds)} training sequences | "
           f"{steps_per_epoch} steps per epoch | {total_steps} steps | {micro_batch} sequences x "
           f"{cfg.grad_accum} micro-steps per step | device {device}")
@@ -66,7 +68,7 @@ def main():
     last_step = min(total_steps, cfg.stop_at_step or total_steps)
     train_totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, targets] since last log
     pbar = tqdm(total=total_steps, initial=step, dynamic_ncols=True)
-    loader_iter, t0, steps_timed = None, time.perf_counter(), 0
+    loader_iter, t0, steps_timed, preempted = None, time.perf_counter(), 0, False
     while step < last_step:
         epoch, step_in_epoch = divmod(step, steps_per_epoch)
         if loader_iter is None or step_in_epoch == 0:
@@ -92,6 +94,7 @@ def main():
         step += 1
         steps_timed += 1
         pbar.update()
+        preempted = stop.requested
 
         if step % cfg.log_every == 0 or step == last_step:
             loss = (train_totals[0] / train_totals[1]).item()  # token-weighted mean since last log
@@ -100,23 +103,26 @@ def main():
             pbar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
             train_totals.zero_()
             t0, steps_timed = time.perf_counter(), 0
-        pause = time.perf_counter()  # evaluation and saving do not count as training time
+        pause = time.perf_counter()  # saving and evaluation do not count as training time
+        if step % cfg.save_every == 0 or step == last_step or preempted:
+            writer.save(training.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, steps_per_epoch))
+        if preempted:
+            break
         if step % cfg.eval_every == 0 or step == last_step:
             totals = training.evaluate(raw_model, val_loader, device)
             val_loss = (totals[0] / totals[1]).item()
             metrics.write(step=step, epoch=epoch, val_loss=val_loss)
             tqdm.write(f"step {step}: val loss {val_loss:.4f}")
-        if step % cfg.save_every == 0 or step == last_step:
-            state = training.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, steps_per_epoch)
-            training.atomic_save(state, out / training.CHECKPOINT)
         t0 += time.perf_counter() - pause
     pbar.close()
+    writer.wait()  # the last checkpoint is on disk before we go on
 
     if step == total_steps:
         training.atomic_save(raw_model.state_dict(), out / training.MODEL)
         print(f"done: {step} steps; weights in {out / training.MODEL}")
     else:
-        print(f"stopped after step {step} of {total_steps}; continue with --resume")
+        print(f"{'stopped by a signal' if preempted else 'stopped'} after step {step} of "
+              f"{total_steps}; checkpoint saved, continue with --resume")
 
 
 if __name__ == "__main__":

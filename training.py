@@ -8,7 +8,10 @@ import dataclasses
 import json
 import math
 import os
+import shutil
+import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +24,7 @@ from model import PRESETS, LlamaConfig, LlamaForPretraining
 
 CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS = (
     "checkpoint.pt", "model.pt", "tokenizer.json", "config.json", "metrics.jsonl")
-RUN_FILES = (CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS)
+RUN_FILES = (CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS)  # plus checkpoint-<step>.pt
 
 
 def flag(default, help, **kwargs):
@@ -62,8 +65,11 @@ class TrainConfig:
     log_every: int = flag(10, "log the loss every N steps")
     resume: bool = flag(False, "continue the run in --out-dir from its checkpoint.pt")
     stop_at_step: int | None = flag(None, "save and exit after this step; continue later with --resume", type=int)
+    keep_checkpoints: int = flag(2, "numbered checkpoints to keep; checkpoint.pt is always the newest")
     backend: str | None = flag(None, "process-group backend (default: nccl on CUDA, gloo on CPU)", type=str,
                                choices=["nccl", "gloo"], ddp_only=True)
+    timeout_minutes: float = flag(30.0, "how long a collective may wait for the slowest rank before the "
+                                  "job fails (PyTorch's default is 10)", ddp_only=True)
 
 
 # Defaults that depend on --model. `article` is REFERENCE.md's recipe; `tiny` is the demo
@@ -111,14 +117,15 @@ def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConf
 
 def validate(cfg: TrainConfig):
     for key in ("seq_len", "batch_size", "grad_accum", "epochs", "max_steps", "warmup_steps", "save_every",
-                "eval_every", "log_every", "stop_at_step", "val_docs"):
+                "eval_every", "log_every", "stop_at_step", "val_docs", "keep_checkpoints"):
         value = getattr(cfg, key)
         minimum = 0 if key == "warmup_steps" else 1
         if value is not None and value < minimum:
             raise UsageError(f"--{key.replace('_', '-')} must be at least {minimum}, got {value}")
-    for key, value in (("lr", cfg.lr), ("weight-decay", cfg.weight_decay), ("grad-clip", cfg.grad_clip)):
-        if not (math.isfinite(value) and value >= 0) or (key == "lr" and value == 0):
-            raise UsageError(f"--{key} must be a {'positive' if key == 'lr' else 'non-negative'} number, got {value}")
+    for key, value, positive in (("lr", cfg.lr, True), ("timeout-minutes", cfg.timeout_minutes, True),
+                                 ("weight-decay", cfg.weight_decay, False), ("grad-clip", cfg.grad_clip, False)):
+        if not (math.isfinite(value) and value >= 0) or (positive and value == 0):
+            raise UsageError(f"--{key} must be a {'positive' if positive else 'non-negative'} number, got {value}")
     min_vocab = 256 + len(data.SPECIAL_TOKENS)  # every byte, plus the special tokens
     if cfg.vocab_size is not None and cfg.vocab_size < min_vocab:
         raise UsageError(f"--vocab-size must be at least {min_vocab}, got {cfg.vocab_size}")
@@ -157,9 +164,9 @@ def load_text(cfg: TrainConfig):
     return data.split_train_val(corpus, val_docs, cfg.seed)
 
 
-def get_tokenizer(cfg: TrainConfig, train_text) -> Tokenizer:
+def get_tokenizer(cfg: TrainConfig, train_text, resuming: bool) -> Tokenizer:
     """The run's own tokenizer on resume, else --tokenizer, else a BPE trained on train_text."""
-    if cfg.resume:
+    if resuming:
         tokenizer = data.load_tokenizer(Path(cfg.out_dir) / TOKENIZER)
         if cfg.tokenizer and data.load_tokenizer(cfg.tokenizer).to_str() != tokenizer.to_str():
             raise UsageError(f"--tokenizer {cfg.tokenizer} differs from the run's {TOKENIZER}")
@@ -223,23 +230,54 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
 # Output folder and checkpoints
 
 
+def warn(message: str):
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"warning: {message}", file=sys.stderr)
+
+
+def restart_count() -> int:
+    """How often torchrun (--max-restarts) has restarted this job's workers."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
 def check_out_dir(cfg: TrainConfig):
-    """Before anything is written: refuse to overwrite a run; on --resume load its checkpoint."""
+    """Before anything is written: refuse to overwrite a run; on --resume, or when torchrun
+    restarts the job after a failure, load its newest readable checkpoint."""
     out = Path(cfg.out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out-dir {out} exists and is not a folder")
-    if cfg.resume:
-        if not (out / CHECKPOINT).is_file():
-            raise UsageError(f"nothing to resume: {out / CHECKPOINT} does not exist")
-        return load_checkpoint(out / CHECKPOINT)
+    checkpoints = [p for p in [out / CHECKPOINT, *out.glob("checkpoint-*.pt")] if p.is_file()]
+    if cfg.resume or (restart_count() and checkpoints):
+        if not checkpoints:
+            raise UsageError(f"nothing to resume: {out} holds no checkpoint")
+        return load_latest_checkpoint(out)
+    if restart_count():
+        return None  # killed before its first checkpoint: start again over this job's own files
     existing = [name for name in RUN_FILES if (out / name).exists()]
-    if (out / CHECKPOINT).exists() or (out / MODEL).exists():
-        raise UsageError(f"{out} already holds a run ({', '.join(existing)}): "
+    if checkpoints or (out / MODEL).exists():
+        raise UsageError(f"{out} already holds a run ({', '.join(existing) or checkpoints[0].name}): "
                          "pass --resume to continue it, or choose another --out-dir")
     if existing:
         raise UsageError(f"{out} holds files of a run that never saved a checkpoint "
                          f"({', '.join(existing)}): delete them, or choose another --out-dir")
     return None
+
+
+def load_latest_checkpoint(out: Path) -> dict:
+    """checkpoint.pt or, if it cannot be read, the newest older checkpoint that can."""
+    candidates = [out / CHECKPOINT, *sorted(out.glob("checkpoint-*.pt"), reverse=True)]
+    failures = []
+    for path in (p for p in candidates if p.is_file()):
+        try:
+            ckpt = load_checkpoint(path)
+        except UsageError as e:
+            failures.append(str(e))
+            continue
+        if failures:
+            warn(f"{failures[0]}; falling back to {path.name}")
+        ckpt["path"] = str(path)
+        return ckpt
+    raise UsageError(failures[0])
 
 
 def load_checkpoint(path) -> dict:
@@ -309,6 +347,89 @@ def atomic_save(obj, path: Path):
         f.flush()
         os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path):
+    fd = os.open(folder, os.O_RDONLY)  # makes the rename itself durable
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(state: dict, out_dir, keep: int):
+    """Write checkpoint-<step>.pt, then make checkpoint.pt a second name for it with one
+    atomic rename, then delete all but the newest `keep` numbered checkpoints. At every
+    moment checkpoint.pt is a complete checkpoint: the previous one or this one."""
+    out = Path(out_dir)
+    numbered = out / f"checkpoint-{state['step']:08d}.pt"
+    atomic_save(state, numbered)
+    link = out / (CHECKPOINT + ".tmp")
+    link.unlink(missing_ok=True)  # a leftover of a crash
+    try:
+        os.link(numbered, link)
+    except OSError:  # a file system without hard links
+        shutil.copyfile(numbered, link)
+    os.replace(link, out / CHECKPOINT)
+    _fsync_dir(out)
+    for old in sorted(out.glob("checkpoint-*.pt"))[:-keep]:
+        old.unlink()
+
+
+def _cpu_copy(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
+
+
+class CheckpointWriter:
+    """Saves checkpoints from a background thread. The training loop (and under DDP every
+    other rank, which would wait for rank 0 in the next collective) only pays for a copy
+    of the state in memory, never for a slow disk. One write at a time: a disk slower than
+    --save-every makes the next save wait for the previous one."""
+
+    def __init__(self, out_dir: str, keep: int):
+        self.out_dir, self.keep = out_dir, keep
+        self.thread, self.error = None, None
+
+    def save(self, state: dict):
+        self.wait()
+        snapshot = _cpu_copy(state)  # training goes on changing the live tensors
+        self.thread = threading.Thread(target=self._write, args=(snapshot,), name="checkpoint-writer")
+        self.thread.start()
+
+    def _write(self, state):
+        try:
+            save_checkpoint(state, self.out_dir, self.keep)
+        except BaseException as e:  # re-raised in the training thread by wait()
+            self.error = e
+
+    def wait(self):
+        """Block until the last checkpoint is on disk; raise if writing it failed."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+class StopSignal:
+    """SIGTERM or SIGUSR1 (what Slurm and torchrun send before they kill a job) only sets a
+    flag; the training loop finishes its step, saves a checkpoint and exits 0."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
 
 
 def write_run_files(out_dir: str, tokenizer: Tokenizer, model: LlamaForPretraining):
@@ -345,12 +466,13 @@ def evaluate(model, loader, device) -> torch.Tensor:
 
 class MetricsLog:
     """Appends one JSON object per logged step to metrics.jsonl (rank 0 only). A resumed
-    run first drops the rows logged after its checkpoint: those steps are trained again."""
+    (or restarted) run first drops the rows logged after its checkpoint: those steps are
+    trained again."""
 
     def __init__(self, out_dir: str, enabled: bool, resume_step: int = 0):
         self.path = Path(out_dir) / METRICS
         self.enabled = enabled
-        if enabled and resume_step and self.path.exists():
+        if enabled and self.path.exists():
             rows = self.path.read_text().splitlines(keepends=True)
             atomic_save("".join(r for r in rows if json.loads(r)["step"] <= resume_step), self.path)
 

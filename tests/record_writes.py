@@ -25,8 +25,8 @@ def hook(event, args):
         mode, flags = args[1], args[2]
         if (mode and any(c in mode for c in "wax+")) or (not mode and flags & WRITE_FLAGS):
             writes.append(f"open {args[0]}")
-    elif event == "os.rename" and (inside(args[0]) or inside(args[1])):
-        writes.append(f"os.rename {args[0]} -> {args[1]}")
+    elif event in ("os.rename", "os.link") and (inside(args[0]) or inside(args[1])):
+        writes.append(f"{event} {args[0]} -> {args[1]}")
     elif event in ("os.remove", "os.mkdir", "os.truncate") and inside(args[0]):
         writes.append(f"{event} {args[0]}")
 

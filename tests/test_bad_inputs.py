@@ -93,11 +93,13 @@ RESUME_CASES = [
 def test_bad_invocation_against_an_existing_run(tmp_path, corpus, finished_run, case, extra, message):
     out = tmp_path / "run"
     shutil.copytree(finished_run, out)
-    if case == "corrupt-checkpoint":
-        ckpt = out / "checkpoint.pt"
-        ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])  # a torn write
-    if case == "not-a-checkpoint":
+    if case == "corrupt-checkpoint":  # every checkpoint torn: nothing to fall back to
+        for ckpt in out.glob("checkpoint*.pt"):
+            ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
+    if case == "not-a-checkpoint":  # some other program's file, and no other checkpoint
         import torch
+        for ckpt in out.glob("checkpoint-*.pt"):
+            ckpt.unlink()
         torch.save({"weights": torch.zeros(2)}, out / "checkpoint.pt")
     script = "train_ddp.py" if case in ("corrupt-checkpoint", "different-batch") else "train_dp.py"
     check_refused(script, ["--dataset", str(corpus), *FAST, *extra], out, message)

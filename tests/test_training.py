@@ -65,15 +65,26 @@ def test_only_rank_0_writes_files(runs):
     assert rank1 == []
     for name in ("checkpoint.pt", "model.pt", "metrics.jsonl", "tokenizer.json", "config.json"):
         assert any(line.endswith(f"{out}/{name}") for line in rank0), name
-    # checkpoints go to a temp file that is renamed into place, never written in place
-    assert f"open {out}/checkpoint.pt.tmp" in rank0 and f"open {out}/checkpoint.pt" not in rank0
-    assert f"os.rename {out}/checkpoint.pt.tmp -> {out}/checkpoint.pt" in rank0
+    # A checkpoint is written to a temp file, renamed to its numbered name, and becomes
+    # checkpoint.pt through a hard link renamed into place: never written in place.
+    step8 = f"{out}/checkpoint-00000008.pt"
+    sequence = [f"open {step8}.tmp", f"os.rename {step8}.tmp -> {step8}",
+                f"os.link {step8} -> {out}/checkpoint.pt.tmp",
+                f"os.rename {out}/checkpoint.pt.tmp -> {out}/checkpoint.pt"]
+    start = rank0.index(sequence[0])
+    positions = [rank0.index(event, start) for event in sequence]
+    assert positions == sorted(positions)
+    assert f"open {out}/checkpoint.pt" not in rank0
+    assert sorted(p.name for p in out.glob("checkpoint*")) == [
+        "checkpoint-00000004.pt", "checkpoint-00000008.pt", "checkpoint.pt"]  # --keep-checkpoints 2
 
 
 def test_output_folder_holds_what_the_readme_promises(runs):
     out = runs("dp", "train_dp.py")
     assert sorted(p.name for p in out.iterdir()) == [
-        "checkpoint.pt", "config.json", "metrics.jsonl", "model.pt", "tokenizer.json"]
+        "checkpoint-00000004.pt", "checkpoint-00000008.pt", "checkpoint.pt", "config.json",
+        "metrics.jsonl", "model.pt", "tokenizer.json"]
+    assert (out / "checkpoint.pt").samefile(out / "checkpoint-00000008.pt")  # one file, two names
     # model.pt is a plain state_dict that loads strictly into a fresh model
     model = training.load_trained(out)
     state = torch.load(out / "model.pt", map_location="cpu", weights_only=True)
