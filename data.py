@@ -6,7 +6,9 @@ so the loss skips them. The corpus is tokenized once with `datasets.map`, which 
 result on disk: later epochs, later runs and the other ranks of a DDP job read the cache.
 """
 
+import contextlib
 import itertools
+import logging
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -115,14 +117,16 @@ def load_corpus(dataset: str, dataset_config: str | None = None, split: str | No
         for builder in sorted({FILE_BUILDERS[f.suffix] for f in files}):
             data_files = [str(f) for f in files if FILE_BUILDERS[f.suffix] == builder]
             try:
-                part = datasets.load_dataset(builder, data_files=data_files, split="train")
+                with _reported_by_us():
+                    part = datasets.load_dataset(builder, data_files=data_files, split="train")
             except Exception as e:  # datasets raises many types for unreadable files
                 raise UsageError(f"cannot read {dataset}: {_first_line(e)}") from None
             parts.append(_text_column(part, text_column, dataset))
         ds = datasets.concatenate_datasets(parts)
     else:
         try:
-            ds = datasets.load_dataset(dataset, dataset_config, split=split or "train")
+            with _reported_by_us():
+                ds = datasets.load_dataset(dataset, dataset_config, split=split or "train")
         except Exception as e:  # offline, unknown id, bad config or split
             raise UsageError(f"cannot load Hub dataset {dataset!r}: {_first_line(e)}") from None
         ds = _text_column(ds, text_column, dataset)
@@ -141,9 +145,25 @@ def _text_column(ds: datasets.Dataset, column: str, name: str) -> datasets.Datas
     return ds.rename_column(column, "text") if column != "text" else ds
 
 
-def _first_line(e: Exception) -> str:
+def _first_line(e: BaseException) -> str:
+    """The first line of the innermost cause: "JSON parse error ... in row 1", not the
+    wrapper's "An error occurred while generating the dataset"."""
+    while e.__cause__ is not None:
+        e = e.__cause__
     text = str(e).strip() or type(e).__name__
     return text.splitlines()[0]
+
+
+@contextlib.contextmanager
+def _reported_by_us():
+    """`datasets` logs some errors (with tracebacks) before raising them. We report each as
+    one line ourselves, so its error log is silenced while it loads."""
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
 
 
 def split_train_val(ds: datasets.Dataset, val_docs: int, seed: int):

@@ -78,10 +78,15 @@ def main():
         device = torch.device("cpu")
     backend = cfg.backend or ("nccl" if device.type == "cuda" else "gloo")
     timeout = datetime.timedelta(minutes=cfg.timeout_minutes)  # how long a collective may wait
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)  # MASTER_ADDR/PORT, RANK, WORLD_SIZE from torchrun
+    if "RANK" in os.environ:  # MASTER_ADDR/PORT, RANK and WORLD_SIZE come from torchrun
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+        # torchrun shares its rendezvous store with the workers and keeps it when it restarts
+        # them (--max-restarts): keys of each attempt get their own prefix, or a restarted
+        # rank can read a dead peer's address and fail to connect (pytorch/pytorch#135712).
+        store = dist.PrefixStore(f"attempt{training.restart_count()}/", store)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        store = dist.HashStore()  # a world of one
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         train(cfg, rank, local_rank, world_size, micro_batch, device)
     finally:

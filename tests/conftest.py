@@ -1,10 +1,14 @@
 """Shared fixtures: an offline, private `datasets` cache, a small corpus, and a runner
 for the two training scripts (in a subprocess, as a user would run them)."""
 
+import atexit
+import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,13 +23,13 @@ FAST = ["--vocab-size", "300", "--seq-len", "32", "--batch-size", "8", "--max-st
         "--val-docs", "8"]
 
 
-@pytest.fixture(scope="session", autouse=True)
-def offline_cache(tmp_path_factory):
-    """No test touches the network or the user's ~/.cache; subprocesses inherit this."""
-    home = tmp_path_factory.mktemp("hf_home")
-    os.environ.update(HF_HOME=str(home), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-                      TOKENIZERS_PARALLELISM="false", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
-    return home
+# No test touches the network or the user's ~/.cache, and no progress bar clutters stderr.
+# Set at import, before any test module imports `datasets` (which reads these once, on
+# import); subprocesses inherit them.
+_HF_HOME = tempfile.mkdtemp(prefix="hf_home_")
+atexit.register(shutil.rmtree, _HF_HOME, ignore_errors=True)
+os.environ.update(HF_HOME=_HF_HOME, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                  TOKENIZERS_PARALLELISM="false", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
 
 
 def write_corpus(path: Path, n_docs: int = 240, seed: int = 0) -> Path:
@@ -45,13 +49,14 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def run_script(script: str, args: list[str], nproc: int = 0, wrapper: str | None = None,
-               env: dict | None = None, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+               env: dict | None = None, check: bool = True, timeout: int = 600,
+               torchrun_args: list[str] = ()) -> subprocess.CompletedProcess:
     """Run train_dp.py / train_ddp.py. nproc=0: plain python; nproc>0: torchrun with
     that many CPU processes (gloo). wrapper: a script that runs the trainer for us."""
     target = [str(REPO / wrapper), str(REPO / script)] if wrapper else [str(REPO / script)]
     if nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", *target, *args]
+               f"--nproc_per_node={nproc}", *torchrun_args, *target, *args]
     else:
         cmd = [sys.executable, *target, *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
@@ -87,3 +92,19 @@ def runs(tmp_path_factory, corpus):
 
     get.root, get.corpus = root, corpus
     return get
+
+
+def ddp_two_ranks(runs):
+    """The reference DDP run: torchrun with 2 gloo processes, every file write of each rank
+    recorded (tests/record_writes.py; the recording changes nothing in training)."""
+    return runs("ddp2", "train_ddp.py", nproc=2, wrapper="tests/record_writes.py",
+                env={"WATCH_DIR": str(runs.root / "ddp2"), "WRITE_LOG_DIR": str(runs.root)})
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_speed(rows: list[dict]) -> list[dict]:
+    """Metrics rows without tokens_per_s, the one field that differs between equal runs."""
+    return [{k: v for k, v in row.items() if k != "tokens_per_s"} for row in rows]

@@ -137,3 +137,70 @@ def test_an_error_under_torchrun_is_printed_once_and_ends_every_rank(tmp_path, c
     for ours in ("train_ddp.py", "training.py", "data.py", "model.py"):
         assert f'File "{REPO / ours}"' not in proc.stderr
     assert not out.exists()
+
+
+# Every flag that takes a value, given a bad one. These run in-process through the same
+# entry point as `python train_dp.py` (training.run(main)), so there are many and they are fast.
+BAD_FLAGS = [
+    ("--max-steps", "0", "--max-steps must be at least 1"),
+    ("--max-steps", "-5", "--max-steps must be at least 1"),
+    ("--max-steps", "ten", "argument --max-steps: invalid int value: 'ten'"),
+    ("--batch-size", "0", "--batch-size must be at least 1"),
+    ("--batch-size", "-8", "--batch-size must be at least 1"),
+    ("--grad-accum", "0", "--grad-accum must be at least 1"),
+    ("--epochs", "0", "--epochs must be at least 1"),
+    ("--seq-len", "0", "--seq-len must be at least 1"),
+    ("--lr", "0", "--lr must be a positive number"),
+    ("--lr", "-0.001", "--lr must be a positive number"),
+    ("--lr", "nan", "--lr must be a positive number"),
+    ("--lr", "fast", "argument --lr: invalid float value: 'fast'"),
+    ("--warmup-steps", "-1", "--warmup-steps must be at least 0"),
+    ("--weight-decay", "-0.1", "--weight-decay must be a non-negative number"),
+    ("--grad-clip", "-1", "--grad-clip must be a non-negative number"),
+    ("--grad-clip", "inf", "--grad-clip must be a non-negative number"),
+    ("--seed", "abc", "argument --seed: invalid int value: 'abc'"),
+    ("--save-every", "0", "--save-every must be at least 1"),
+    ("--eval-every", "0", "--eval-every must be at least 1"),
+    ("--log-every", "-2", "--log-every must be at least 1"),
+    ("--stop-at-step", "0", "--stop-at-step must be at least 1"),
+    ("--keep-checkpoints", "0", "--keep-checkpoints must be at least 1"),
+    ("--val-docs", "0", "--val-docs must be at least 1"),
+    ("--val-docs", "100000", "cannot hold out 100000 validation documents"),
+    ("--vocab-size", "100", "--vocab-size must be at least 259"),
+    ("--model", "huge", "argument --model: invalid choice: 'huge'"),
+    ("--seq-len", "2048", "exceeds the tiny model's 1024 positions"),
+    ("--dataset", "{missing}", "dataset file or folder not found"),
+    ("--dataset", "{garbage_parquet}", "Parquet magic bytes not found"),
+    ("--dataset", "{bad_jsonl}", "JSON parse error"),
+    ("--dataset-config", "sample-10BT", "apply to Hub datasets only"),
+    ("--split", "train", "apply to Hub datasets only"),
+    ("--text-column", "content", "has no column 'content'"),
+    ("--tokenizer", "{missing}", "cannot load tokenizer"),
+    ("--out-dir", "{a_file}", "exists and is not a folder"),
+    ("--backend", "mpi", "argument --backend: invalid choice: 'mpi'"),
+    ("--timeout-minutes", "0", "--timeout-minutes must be a positive number"),
+]
+
+
+@pytest.mark.parametrize("flag, value, message", BAD_FLAGS, ids=[f"{f}={v}" for f, v, _ in BAD_FLAGS])
+def test_every_flag_rejects_a_bad_value(tmp_path, corpus, monkeypatch, capsys, flag, value, message):
+    import train_ddp
+    import training
+    (tmp_path / "garbage.parquet").write_bytes(b"this is not parquet")
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{not json\n')
+    (tmp_path / "a_file").write_text("precious")
+    fill = {"{missing}": str(tmp_path / "missing.txt"), "{garbage_parquet}": str(tmp_path / "garbage.parquet"),
+            "{bad_jsonl}": str(tmp_path / "bad.jsonl"), "{a_file}": str(tmp_path / "a_file")}
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's own file")
+    before = snapshot(tmp_path)
+    fast = [a for a in FAST if a not in ("--vocab-size", "300")] if flag == "--tokenizer" else FAST
+    argv = ["train_ddp.py", "--dataset", str(corpus), *fast, "--out-dir", str(out), flag, fill.get(value, value)]
+    monkeypatch.setattr("sys.argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        training.run(train_ddp.main)  # a world of one; every flag of train_dp.py is here too
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert snapshot(tmp_path) == before

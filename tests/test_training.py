@@ -8,7 +8,7 @@ import torch
 
 import data
 import training
-from conftest import FAST, load_weights, max_weight_diff, run_script
+from conftest import FAST, ddp_two_ranks, load_weights, max_weight_diff, metrics, run_script, without_speed
 from model import IGNORE_INDEX, LlamaForPretraining
 
 # DDP at 2 ranks sums gradients in a different order than one process, so weights agree to
@@ -142,17 +142,3 @@ def test_a_saved_tokenizer_reproduces_the_run(runs, tmp_path):
     run_script("train_dp.py", ["--dataset", str(runs.corpus), *args, "--tokenizer", str(first / "tokenizer.json"),
                                "--out-dir", str(tmp_path / "again")])
     assert max_weight_diff(load_weights(first), load_weights(tmp_path / "again")) == 0.0
-
-
-def ddp_two_ranks(runs):
-    """torchrun with 2 gloo processes, every file write of each rank recorded."""
-    return runs("ddp2", "train_ddp.py", nproc=2, wrapper="tests/record_writes.py",
-                env={"WATCH_DIR": str(runs.root / "ddp2"), "WRITE_LOG_DIR": str(runs.root)})
-
-
-def metrics(out_dir):
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def without_speed(rows):
-    return [{k: v for k, v in row.items() if k != "tokens_per_s"} for row in rows]

@@ -1,0 +1,74 @@
+"""Run a training script (argv[1:]) with one fault injected, for the failure tests.
+
+FAULT picks the fault, FAULT_STEP the optimizer step at which it strikes (counted by calls
+to clip_grad_norm_, once per step), FAULT_RANK the rank (default 0). It strikes in the
+first attempt only: after torchrun restarts the workers, the run goes on unharmed.
+    kill              SIGKILL this process (a dead GPU, the OOM killer)
+    sigterm-launcher  what `scancel` or a preempting scheduler does: SIGTERM to torchrun,
+                      which forwards it to every worker. This rank also gets it at once.
+    sigusr1           SIGUSR1 to this process (Slurm's warning before the time limit)
+    slow-disk         the first checkpoint write hangs until training reaches FAULT_STEP;
+                      a trainer that saved in its training loop would never get there
+Each process records how it ended in $FAULT_LOG_DIR/exit-rank<RANK>.txt.
+"""
+
+import os
+import runpy
+import signal
+import sys
+import threading
+
+import torch
+
+fault, at_step = os.environ["FAULT"], int(os.environ["FAULT_STEP"])
+rank = os.environ.get("RANK", "0")
+armed = rank == os.environ.get("FAULT_RANK", "0") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+reached = threading.Event()
+steps = 0
+real_clip = torch.nn.utils.clip_grad_norm_
+
+
+def strike():
+    if fault == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault == "sigterm-launcher":
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # this rank's copy arrives now
+        os.kill(os.getppid(), signal.SIGTERM)  # torchrun forwards it to the others, later
+    elif fault == "sigusr1":
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def clip_and_count(*args, **kwargs):
+    global steps
+    steps += 1
+    if steps == at_step:
+        reached.set()
+        if armed:
+            strike()
+    return real_clip(*args, **kwargs)
+
+
+torch.nn.utils.clip_grad_norm_ = clip_and_count
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))
+if fault == "slow-disk" and armed:
+    import training
+
+    real_save = training.save_checkpoint
+
+    def slow_save(*args, **kwargs):
+        reached.wait()  # the disk answers only once training has moved on to FAULT_STEP
+        return real_save(*args, **kwargs)
+
+    training.save_checkpoint = slow_save
+
+status = "exception"
+try:
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    status = "0"
+except SystemExit as e:
+    status = str(e.code if e.code is not None else 0)
+    raise
+finally:
+    with open(os.path.join(os.environ["FAULT_LOG_DIR"], f"exit-rank{rank}.txt"), "w") as f:
+        f.write(status)

@@ -1,0 +1,235 @@
+"""What real clusters do: killed workers, preemption, torn checkpoints, slow disks, two
+nodes, Slurm, and checkpoint files crafted to run code. Each test ends by comparing final
+weights or file contents with an uninterrupted run."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import training
+from conftest import FAST, REPO, ddp_two_ranks, load_weights, max_weight_diff, metrics, run_script, without_speed
+
+
+def fault_env(tmp_path, fault, step, rank=0):
+    logs = tmp_path / "fault-logs"
+    logs.mkdir(exist_ok=True)
+    return {"FAULT": fault, "FAULT_STEP": str(step), "FAULT_RANK": str(rank), "FAULT_LOG_DIR": str(logs)}
+
+
+def exit_codes(tmp_path):
+    """How each rank's process ended, as recorded by tests/inject_fault.py."""
+    return {p.stem: p.read_text() for p in sorted((tmp_path / "fault-logs").glob("exit-rank*.txt"))}
+
+
+def checkpoint_step(out):
+    return torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)["step"]
+
+
+def train_args(runs, out, *extra):
+    return ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), *extra]
+
+
+def test_a_killed_worker_is_restarted_and_the_run_resumes_exactly(runs, tmp_path):
+    """kill -9 of rank 1 in step 7 (checkpoints at 4 and 8, step 6 already logged): torchrun
+    restarts both workers, they resume from step 4 by themselves, and end bitwise where an
+    uninterrupted run ends, with the same metrics.jsonl (steps 5-6 are not logged twice)."""
+    reference = ddp_two_ranks(runs)
+    out = tmp_path / "run"
+    proc = run_script("train_ddp.py", train_args(runs, out), nproc=2, wrapper="tests/inject_fault.py",
+                      env=fault_env(tmp_path, "kill", step=7, rank=1), torchrun_args=["--max-restarts=1"])
+    assert f"resumed from {out}/checkpoint.pt at step 4 (restart 1)" in proc.stdout
+    assert exit_codes(tmp_path) == {"exit-rank0": "0", "exit-rank1": "0"}  # the restarted attempt
+    assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
+    assert without_speed(metrics(out)) == without_speed(metrics(reference))
+
+
+def test_preempted_ddp_ranks_agree_on_a_step_save_and_exit_0(runs, tmp_path):
+    """SIGTERM to torchrun (what `scancel` does) at step 3: rank 0 sees it at once, rank 1
+    only when torchrun forwards it, yet both stop after step 3; rank 0 saves; both exit 0."""
+    reference = ddp_two_ranks(runs)
+    out = tmp_path / "run"
+    proc = run_script("train_ddp.py", train_args(runs, out), nproc=2, wrapper="tests/inject_fault.py",
+                      env=fault_env(tmp_path, "sigterm-launcher", step=3), check=False)
+    assert "stopped by a signal after step 3 of 8; checkpoint saved" in proc.stdout
+    assert exit_codes(tmp_path) == {"exit-rank0": "0", "exit-rank1": "0"}
+    assert checkpoint_step(out) == 3 and not (out / "model.pt").exists()
+    run_script("train_ddp.py", train_args(runs, out, "--resume"), nproc=2)
+    assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
+
+
+def test_sigusr1_stops_the_dataparallel_script_which_resumes_exactly(runs, tmp_path):
+    reference = runs("dp", "train_dp.py")
+    out = tmp_path / "run"
+    proc = run_script("train_dp.py", train_args(runs, out), wrapper="tests/inject_fault.py",
+                      env=fault_env(tmp_path, "sigusr1", step=3))
+    assert proc.returncode == 0 and "stopped by a signal after step 3 of 8" in proc.stdout
+    assert checkpoint_step(out) == 3
+    run_script("train_dp.py", train_args(runs, out, "--resume"))
+    assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
+
+
+def test_a_slow_disk_never_holds_the_other_ranks_in_a_collective(runs, tmp_path):
+    """Rank 0's first checkpoint write (step 4) cannot finish until training reaches step 6.
+    A trainer that wrote checkpoints in its loop would deadlock; with a 0.25-minute collective
+    timeout rank 1 would fail within seconds. Ours writes in the background and goes on."""
+    reference = ddp_two_ranks(runs)
+    out = tmp_path / "run"
+    run_script("train_ddp.py", train_args(runs, out, "--timeout-minutes", "0.25"), nproc=2,
+               wrapper="tests/inject_fault.py", env=fault_env(tmp_path, "slow-disk", step=6), timeout=120)
+    assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
+    assert sorted(p.name for p in out.glob("checkpoint-*.pt")) == ["checkpoint-00000004.pt", "checkpoint-00000008.pt"]
+
+
+# ---- torn writes ------------------------------------------------------------------------
+
+class Crash(Exception):
+    pass
+
+
+def state_at(step):
+    return {"step": step, "model": {"w": torch.full((1000,), float(step))}, "optimizer": {}, "scheduler": {},
+            "model_config": {}, "train_config": {}}
+
+
+def test_a_crash_at_any_moment_of_saving_leaves_a_complete_checkpoint_pt(tmp_path, monkeypatch):
+    """Crash the save of step 8 at each of its file operations in turn (a torch.save that
+    dies half-way included). Afterwards checkpoint.pt always loads, and holds step 4 or 8."""
+    real = {"save": torch.save, "fsync": os.fsync, "replace": os.replace, "link": os.link, "unlink": os.unlink}
+    outcomes = []
+    for crash_at in range(1, 50):
+        out = tmp_path / f"crash{crash_at}"
+        out.mkdir()
+        training.save_checkpoint(state_at(4), out, keep=2)
+        calls = []
+
+        def op(name):
+            def wrapped(*args, **kwargs):
+                calls.append(name)
+                if len(calls) == crash_at:
+                    if name == "save":  # die half-way through writing the bytes
+                        args[1].write(b"\x80\x02 half a pickle")
+                    raise Crash(name)
+                return real[name](*args, **kwargs)
+            return wrapped
+
+        with monkeypatch.context() as m:
+            m.setattr(torch, "save", op("save"))
+            for name in ("fsync", "replace", "link", "unlink"):
+                m.setattr(os, name, op(name))
+            try:
+                training.save_checkpoint(state_at(8), out, keep=2)
+                crashed = None
+            except Crash as e:
+                crashed = str(e)
+        step = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)["step"]
+        assert step in (4, 8)
+        assert training.load_latest_checkpoint(out)["step"] == step
+        outcomes.append((crashed, step))
+        if crashed is None:
+            break
+    assert outcomes[-1] == (None, 8) and len(outcomes) > 5  # every operation was crashed once
+    assert {step for _, step in outcomes[:-1]} == {4, 8}  # before and after the atomic swap
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    for step in (4, 8, 12):
+        training.save_checkpoint(state_at(step), tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint-00000008.pt", "checkpoint-00000012.pt", "checkpoint.pt"]
+    assert (tmp_path / "checkpoint.pt").samefile(tmp_path / "checkpoint-00000012.pt")
+
+
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_older_one(runs, tmp_path):
+    reference = runs("dp", "train_dp.py")
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    for torn in ("checkpoint.pt", "checkpoint-00000008.pt"):  # the newest, under both its names
+        (out / torn).write_bytes((out / torn).read_bytes()[:1000])
+    proc = run_script("train_dp.py", train_args(runs, out, "--resume"))
+    assert f"warning: cannot load checkpoint {out}/checkpoint.pt" in proc.stderr
+    assert "falling back to checkpoint-00000004.pt" in proc.stderr
+    assert f"resumed from {out}/checkpoint-00000004.pt at step 4" in proc.stdout
+    assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
+
+
+# ---- several nodes ----------------------------------------------------------------------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_train_the_same_model_as_one_node(runs, tmp_path):
+    """Two torchrun launchers on this machine play two nodes with one process each,
+    rendezvous over c10d, each with its own datasets cache as on separate machines."""
+    reference = ddp_two_ranks(runs)
+    out, port = tmp_path / "run", free_port()
+    launchers = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+               f"--node_rank={node}", "--rdzv-id=two-nodes", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{port}", str(REPO / "train_ddp.py"), *train_args(runs, out)]
+        env = {**os.environ, "HF_HOME": str(tmp_path / f"hf-node{node}")}
+        launchers.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+    for launcher in launchers:
+        output, _ = launcher.communicate(timeout=300)
+        assert launcher.returncode == 0, output
+    assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
+
+
+def test_the_slurm_script_builds_the_torchrun_command_from_slurm_variables(tmp_path):
+    script = REPO / "slurm" / "train_ddp.sbatch"
+    subprocess.run(["bash", "-n", str(script)], check=True)  # it parses
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "scontrol").write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu[07-08]" ] && printf "gpu07\\ngpu08\\n"\n')
+    (stubs / "srun").write_text('#!/bin/sh\necho "signals=$TORCHELASTIC_SIGNALS_TO_HANDLE"\nfor a in "$@"; do echo "$a"; done\n')
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    env = {"PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2",
+           "SLURM_JOB_ID": "4242", "SLURM_GPUS_ON_NODE": "8"}
+    proc = subprocess.run(["bash", str(script), "--model", "article", "--out-dir", "/shared/run"],
+                          env=env, capture_output=True, text=True, check=True)
+    assert proc.stdout.splitlines() == [
+        "signals=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "torchrun", "--nnodes=2", "--nproc_per_node=8",
+        "--max-restarts=3", "--rdzv-id=4242", "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:29500",
+        "train_ddp.py", "--model", "article", "--out-dir", "/shared/run"]
+    directives = [line for line in script.read_text().splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH --ntasks-per-node=1" in directives and "#SBATCH --signal=USR1@120" in directives
+
+
+# ---- hostile files ----------------------------------------------------------------------
+
+class RunsCode:
+    """Unpickling this object runs a shell command: what a crafted checkpoint can do
+    to torch.load(weights_only=False)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_crafted_to_run_code_is_refused_and_runs_nothing(runs, tmp_path):
+    out, marker = tmp_path / "run", tmp_path / "code-ran"
+    shutil.copytree(runs("dp", "train_dp.py"), out)
+    for ckpt in out.glob("checkpoint*.pt"):
+        ckpt.unlink()
+    torch.save({"model": RunsCode(marker), "step": 4}, out / "checkpoint.pt")
+    torch.save(RunsCode(marker), out / "model.pt")
+    proc = run_script("train_dp.py", train_args(runs, out, "--resume"), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"error: cannot load checkpoint {out}/checkpoint.pt: Weights only load failed")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        training.load_trained(out)
+    assert not marker.exists()
+    torch.load(out / "model.pt", weights_only=False)  # the file really is hostile:
+    assert marker.exists()  # without weights_only it runs its command
