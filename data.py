@@ -120,7 +120,7 @@ def load_corpus(dataset: str, dataset_config: str | None = None, split: str | No
                 with _reported_by_us():
                     part = datasets.load_dataset(builder, data_files=data_files, split="train")
             except Exception as e:  # datasets raises many types for unreadable files
-                raise UsageError(f"cannot read {dataset}: {_first_line(e)}") from None
+                raise UsageError(f"cannot read {dataset}: {first_line(e)}") from None
             parts.append(_text_column(part, text_column, dataset))
         ds = datasets.concatenate_datasets(parts)
     else:
@@ -128,7 +128,7 @@ def load_corpus(dataset: str, dataset_config: str | None = None, split: str | No
             with _reported_by_us():
                 ds = datasets.load_dataset(dataset, dataset_config, split=split or "train")
         except Exception as e:  # offline, unknown id, bad config or split
-            raise UsageError(f"cannot load Hub dataset {dataset!r}: {_first_line(e)}") from None
+            raise UsageError(f"cannot load Hub dataset {dataset!r}: {first_line(e)}") from None
         ds = _text_column(ds, text_column, dataset)
     ds = ds.filter(lambda batch: [bool(t and t.strip()) for t in batch["text"]], batched=True)
     if len(ds) == 0:
@@ -145,7 +145,7 @@ def _text_column(ds: datasets.Dataset, column: str, name: str) -> datasets.Datas
     return ds.rename_column(column, "text") if column != "text" else ds
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     """The first line of the innermost cause: "JSON parse error ... in row 1", not the
     wrapper's "An error occurred while generating the dataset"."""
     while e.__cause__ is not None:
@@ -208,7 +208,7 @@ def load_tokenizer(path: str) -> Tokenizer:
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as e:
-        raise UsageError(f"cannot load tokenizer {path}: {_first_line(e)}") from None
+        raise UsageError(f"cannot load tokenizer {path}: {first_line(e)}") from None
     missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
     if missing:
         raise UsageError(f"tokenizer {path} lacks the special tokens {', '.join(missing)}")

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+import checkpointing
 import training
 from data import ResumableDistributedSampler, UsageError
 from model import IGNORE_INDEX
@@ -83,7 +84,7 @@ def main():
         # torchrun shares its rendezvous store with the workers and keeps it when it restarts
         # them (--max-restarts): keys of each attempt get their own prefix, or a restarted
         # rank can read a dead peer's address and fail to connect (pytorch/pytorch#135712).
-        store = dist.PrefixStore(f"attempt{training.restart_count()}/", store)
+        store = dist.PrefixStore(f"attempt{checkpointing.restart_count()}/", store)
     else:
         store = dist.HashStore()  # a world of one
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -95,7 +96,7 @@ def main():
 
 def train(cfg, rank, local_rank, world_size, micro_batch, device):
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
-    ckpt = on_all_ranks(lambda: training.check_out_dir(cfg))  # refuses to overwrite a run; loads it on --resume
+    ckpt = on_all_ranks(lambda: checkpointing.check_out_dir(cfg.out_dir, cfg.resume))  # refuses to overwrite a run; loads it on --resume
     train_text, val_text = on_all_ranks(lambda: training.load_text(cfg), first=local_rank == 0)
     # one tokenizer for the whole job: rank 0 trains (or loads) it and sends it to all
     tokenizer = Tokenizer.from_str(from_rank0(
@@ -111,11 +112,11 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device):
     step = 0
     if ckpt:
         training.check_resume(ckpt, cfg, raw_model, steps_per_epoch)
-        step = training.restore(ckpt, raw_model, optimizer, scheduler)
+        step = checkpointing.restore(ckpt, raw_model, optimizer, scheduler)
         if rank == 0:
-            print(f"resumed from {ckpt['path']} at step {step} (restart {training.restart_count()})")
+            print(f"resumed from {ckpt['path']} at step {step} (restart {checkpointing.restart_count()})")
     if rank == 0:  # every file is written by rank 0 only
-        training.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
+        checkpointing.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
     # DDP: one replica per process; gradients are all-reduced during backward
     model = DDP(raw_model, device_ids=[local_rank] if device.type == "cuda" else None)
 
@@ -127,7 +128,7 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device):
                         pin_memory=device.type == "cuda")
     val_loader = training.val_loader(val_ds, rank=rank, world_size=world_size, batch_size=micro_batch)
     metrics = training.MetricsLog(cfg.out_dir, enabled=rank == 0, resume_step=step)
-    writer = training.CheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
+    writer = checkpointing.CheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
     stop = training.StopSignal()  # SIGTERM/SIGUSR1: finish the step, save, exit 0
     if rank == 0:
         print(f"{raw_model.num_parameters() / 1e6:.1f}M parameters | {len(train_ds)} training sequences | "
@@ -189,7 +190,7 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device):
         if (step % cfg.save_every == 0 or step == last_step or preempted) and rank == 0:
             # One writer, and no collective or DDP call inside this branch. The write runs in
             # a background thread, so the other ranks never wait in a collective for the disk.
-            writer.save(training.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, steps_per_epoch))
+            writer.save(checkpointing.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, steps_per_epoch))
         if preempted:
             break
         if step % cfg.eval_every == 0 or step == last_step:
@@ -203,8 +204,8 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device):
     writer.wait()  # the last checkpoint is on disk before we go on
 
     if rank == 0 and step == total_steps:
-        training.atomic_save(raw_model.state_dict(), out / training.MODEL)  # not model.state_dict(): no `module.`
-        print(f"done: {step} steps; weights in {out / training.MODEL}")
+        checkpointing.atomic_save(raw_model.state_dict(), out / checkpointing.MODEL)  # not model.state_dict(): no `module.`
+        print(f"done: {step} steps; weights in {out / checkpointing.MODEL}")
     elif rank == 0:
         print(f"{'stopped by a signal' if preempted else 'stopped'} after step {step} of "
               f"{total_steps}; checkpoint saved, continue with --resume")

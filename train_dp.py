@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+import checkpointing
 import training
 from data import ResumableDistributedSampler
 from model import IGNORE_INDEX
@@ -30,7 +31,7 @@ def main():
     micro_batch = training.check_batch(cfg, world_size=1)
 
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
-    ckpt = training.check_out_dir(cfg)  # refuses to overwrite a run; loads it on --resume
+    ckpt = checkpointing.check_out_dir(cfg.out_dir, cfg.resume)  # refuses to overwrite a run; loads it on --resume
     train_text, val_text = training.load_text(cfg)
     tokenizer = training.get_tokenizer(cfg, train_text, resuming=ckpt is not None)
     train_ds, val_ds = training.make_datasets(cfg, tokenizer, train_text, val_text)
@@ -43,9 +44,9 @@ def main():
     step = 0
     if ckpt:
         training.check_resume(ckpt, cfg, raw_model, steps_per_epoch)
-        step = training.restore(ckpt, raw_model, optimizer, scheduler)
-        print(f"resumed from {ckpt['path']} at step {step} (restart {training.restart_count()})")
-    training.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
+        step = checkpointing.restore(ckpt, raw_model, optimizer, scheduler)
+        print(f"resumed from {ckpt['path']} at step {step} (restart {checkpointing.restart_count()})")
+    checkpointing.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
     # DataParallel: one process drives every visible GPU
     model = nn.DataParallel(raw_model) if torch.cuda.device_count() > 1 else raw_model
 
@@ -57,7 +58,7 @@ def main():
                         pin_memory=device.type == "cuda")
     val_loader = training.val_loader(val_ds, rank=0, world_size=1, batch_size=micro_batch)
     metrics = training.MetricsLog(cfg.out_dir, enabled=True, resume_step=step)
-    writer = training.CheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
+    writer = checkpointing.CheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
     stop = training.StopSignal()  # SIGTERM/SIGUSR1: finish the step, save, exit 0
     print(f"{raw_model.num_parameters() / 1e6:.1f}M parameters | {len(train_ds)} training sequences | "
           f"{steps_per_epoch} steps per epoch | {total_steps} steps | {micro_batch} sequences x "
@@ -105,7 +106,7 @@ def main():
             t0, steps_timed = time.perf_counter(), 0
         pause = time.perf_counter()  # saving and evaluation do not count as training time
         if step % cfg.save_every == 0 or step == last_step or preempted:
-            writer.save(training.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, steps_per_epoch))
+            writer.save(checkpointing.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, steps_per_epoch))
         if preempted:
             break
         if step % cfg.eval_every == 0 or step == last_step:
@@ -118,8 +119,8 @@ def main():
     writer.wait()  # the last checkpoint is on disk before we go on
 
     if step == total_steps:
-        training.atomic_save(raw_model.state_dict(), out / training.MODEL)
-        print(f"done: {step} steps; weights in {out / training.MODEL}")
+        checkpointing.atomic_save(raw_model.state_dict(), out / checkpointing.MODEL)
+        print(f"done: {step} steps; weights in {out / checkpointing.MODEL}")
     else:
         print(f"{'stopped by a signal' if preempted else 'stopped'} after step {step} of "
               f"{total_steps}; checkpoint saved, continue with --resume")

@@ -51,15 +51,15 @@ def clip_and_count(*args, **kwargs):
 torch.nn.utils.clip_grad_norm_ = clip_and_count
 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))
 if fault == "slow-disk" and armed:
-    import training
+    import checkpointing
 
-    real_save = training.save_checkpoint
+    real_save = checkpointing.save_checkpoint
 
     def slow_save(*args, **kwargs):
         reached.wait()  # the disk answers only once training has moved on to FAULT_STEP
         return real_save(*args, **kwargs)
 
-    training.save_checkpoint = slow_save
+    checkpointing.save_checkpoint = slow_save
 
 status = "exception"
 try:

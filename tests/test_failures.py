@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-import training
+import checkpointing
 from conftest import FAST, REPO, ddp_two_ranks, load_weights, max_weight_diff, metrics, run_script, without_speed
 
 
@@ -104,7 +104,7 @@ def test_a_crash_at_any_moment_of_saving_leaves_a_complete_checkpoint_pt(tmp_pat
     for crash_at in range(1, 50):
         out = tmp_path / f"crash{crash_at}"
         out.mkdir()
-        training.save_checkpoint(state_at(4), out, keep=2)
+        checkpointing.save_checkpoint(state_at(4), out, keep=2)
         calls = []
 
         def op(name):
@@ -122,13 +122,13 @@ def test_a_crash_at_any_moment_of_saving_leaves_a_complete_checkpoint_pt(tmp_pat
             for name in ("fsync", "replace", "link", "unlink"):
                 m.setattr(os, name, op(name))
             try:
-                training.save_checkpoint(state_at(8), out, keep=2)
+                checkpointing.save_checkpoint(state_at(8), out, keep=2)
                 crashed = None
             except Crash as e:
                 crashed = str(e)
         step = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)["step"]
         assert step in (4, 8)
-        assert training.load_latest_checkpoint(out)["step"] == step
+        assert checkpointing.load_latest_checkpoint(out)["step"] == step
         outcomes.append((crashed, step))
         if crashed is None:
             break
@@ -138,7 +138,7 @@ def test_a_crash_at_any_moment_of_saving_leaves_a_complete_checkpoint_pt(tmp_pat
 
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
     for step in (4, 8, 12):
-        training.save_checkpoint(state_at(step), tmp_path, keep=2)
+        checkpointing.save_checkpoint(state_at(step), tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "checkpoint-00000008.pt", "checkpoint-00000012.pt", "checkpoint.pt"]
     assert (tmp_path / "checkpoint.pt").samefile(tmp_path / "checkpoint-00000012.pt")
@@ -229,7 +229,7 @@ def test_a_checkpoint_crafted_to_run_code_is_refused_and_runs_nothing(runs, tmp_
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith(f"error: cannot load checkpoint {out}/checkpoint.pt: Weights only load failed")
     with pytest.raises(Exception, match="Weights only load failed"):
-        training.load_trained(out)
+        checkpointing.load_trained(out)
     assert not marker.exists()
     torch.load(out / "model.pt", weights_only=False)  # the file really is hostile:
     assert marker.exists()  # without weights_only it runs its command

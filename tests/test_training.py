@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import data
+import checkpointing
 import training
 from conftest import FAST, ddp_two_ranks, load_weights, max_weight_diff, metrics, run_script, without_speed
 from model import IGNORE_INDEX, LlamaForPretraining
@@ -86,7 +87,7 @@ def test_output_folder_holds_what_the_readme_promises(runs):
         "metrics.jsonl", "model.pt", "tokenizer.json"]
     assert (out / "checkpoint.pt").samefile(out / "checkpoint-00000008.pt")  # one file, two names
     # model.pt is a plain state_dict that loads strictly into a fresh model
-    model = training.load_trained(out)
+    model = checkpointing.load_trained(out)
     state = torch.load(out / "model.pt", map_location="cpu", weights_only=True)
     assert not [k for k in state if k.startswith(("module.", "_orig_mod."))]
     assert model.load_state_dict(state, strict=True) is not None

@@ -1,0 +1,214 @@
+"""The output folder and its checkpoints: never overwrite a run, never tear a checkpoint,
+resume from the newest one that can be read, and keep saving off the training loop.
+
+Checkpoints hold tensors and plain containers only, so they load with weights_only=True:
+a file crafted to run code on load is refused instead.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from data import UsageError, first_line
+from model import LlamaConfig, LlamaForPretraining
+
+CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS = (
+    "checkpoint.pt", "model.pt", "tokenizer.json", "config.json", "metrics.jsonl")
+RUN_FILES = (CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS)  # plus checkpoint-<step>.pt
+
+
+def warn(message: str):
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"warning: {message}", file=sys.stderr)
+
+
+def restart_count() -> int:
+    """How often torchrun (--max-restarts) has restarted this job's workers."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def check_out_dir(out_dir: str, resume: bool):
+    """Before anything is written: refuse to overwrite a run; on --resume, or when torchrun
+    restarts the job after a failure, load its newest readable checkpoint."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out-dir {out} exists and is not a folder")
+    checkpoints = [p for p in [out / CHECKPOINT, *out.glob("checkpoint-*.pt")] if p.is_file()]
+    if resume or (restart_count() and checkpoints):
+        if not checkpoints:
+            raise UsageError(f"nothing to resume: {out} holds no checkpoint")
+        return load_latest_checkpoint(out)
+    if restart_count():
+        return None  # killed before its first checkpoint: start again over this job's own files
+    existing = [name for name in RUN_FILES if (out / name).exists()]
+    if checkpoints or (out / MODEL).exists():
+        raise UsageError(f"{out} already holds a run ({', '.join(existing) or checkpoints[0].name}): "
+                         "pass --resume to continue it, or choose another --out-dir")
+    if existing:
+        raise UsageError(f"{out} holds files of a run that never saved a checkpoint "
+                         f"({', '.join(existing)}): delete them, or choose another --out-dir")
+    return None
+
+
+def load_latest_checkpoint(out: Path) -> dict:
+    """checkpoint.pt or, if it cannot be read, the newest older checkpoint that can."""
+    candidates = [out / CHECKPOINT, *sorted(out.glob("checkpoint-*.pt"), reverse=True)]
+    failures = []
+    for path in (p for p in candidates if p.is_file()):
+        try:
+            ckpt = load_checkpoint(path)
+        except UsageError as e:
+            failures.append(str(e))
+            continue
+        if failures:
+            warn(f"{failures[0]}; falling back to {path.name}")
+        ckpt["path"] = str(path)
+        return ckpt
+    raise UsageError(failures[0])
+
+
+def load_checkpoint(path) -> dict:
+    try:
+        # weights_only: tensors and plain containers only, so a crafted file cannot run code;
+        # map_location: every rank loads onto the CPU instead of all onto GPU 0.
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UsageError(f"cannot load checkpoint {path}: {first_line(e)}") from None
+    keys = {"model", "optimizer", "scheduler", "step", "model_config", "train_config"}
+    if not isinstance(ckpt, dict) or not keys <= ckpt.keys():
+        raise UsageError(f"{path} is not a checkpoint of this trainer")
+    return ckpt
+
+
+def checkpoint_state(model, optimizer, scheduler, cfg, step, steps_per_epoch) -> dict:
+    epoch, step_in_epoch = divmod(step, steps_per_epoch)
+    return {
+        "model": model.state_dict(),  # the plain module: no `module.` / `_orig_mod.` prefixes
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "steps_per_epoch": steps_per_epoch,
+        # Nothing in training draws random numbers after initialization (the data order comes
+        # from seed + epoch), but saving the generators keeps any future dropout exact too.
+        "rng": {"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+        "model_config": dataclasses.asdict(model.config),
+        "train_config": dataclasses.asdict(cfg),
+    }
+
+
+def restore(ckpt: dict, model, optimizer, scheduler) -> int:
+    """Load a checkpoint into freshly built objects (on every rank); return its step."""
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scheduler.load_state_dict(ckpt["scheduler"])
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    if ckpt["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+    return ckpt["step"]
+
+
+def atomic_save(obj, path: Path):
+    """Write to a temp file, flush it to disk, then rename: a crash mid-write leaves the
+    previous file intact, never a torn one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        if isinstance(obj, str):
+            f.write(obj.encode())
+        else:
+            torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path):
+    fd = os.open(folder, os.O_RDONLY)  # makes the rename itself durable
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(state: dict, out_dir, keep: int):
+    """Write checkpoint-<step>.pt, then make checkpoint.pt a second name for it with one
+    atomic rename, then delete all but the newest `keep` numbered checkpoints. At every
+    moment checkpoint.pt is a complete checkpoint: the previous one or this one."""
+    out = Path(out_dir)
+    numbered = out / f"checkpoint-{state['step']:08d}.pt"
+    atomic_save(state, numbered)
+    link = out / (CHECKPOINT + ".tmp")
+    link.unlink(missing_ok=True)  # a leftover of a crash
+    try:
+        os.link(numbered, link)
+    except OSError:  # a file system without hard links
+        shutil.copyfile(numbered, link)
+    os.replace(link, out / CHECKPOINT)
+    _fsync_dir(out)
+    for old in sorted(out.glob("checkpoint-*.pt"))[:-keep]:
+        old.unlink()
+
+
+def _cpu_copy(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
+
+
+class CheckpointWriter:
+    """Saves checkpoints from a background thread. The training loop (and under DDP every
+    other rank, which would wait for rank 0 in the next collective) only pays for a copy
+    of the state in memory, never for a slow disk. One write at a time: a disk slower than
+    --save-every makes the next save wait for the previous one."""
+
+    def __init__(self, out_dir: str, keep: int):
+        self.out_dir, self.keep = out_dir, keep
+        self.thread, self.error = None, None
+
+    def save(self, state: dict):
+        self.wait()
+        snapshot = _cpu_copy(state)  # training goes on changing the live tensors
+        self.thread = threading.Thread(target=self._write, args=(snapshot,), name="checkpoint-writer")
+        self.thread.start()
+
+    def _write(self, state):
+        try:
+            save_checkpoint(state, self.out_dir, self.keep)
+        except BaseException as e:  # re-raised in the training thread by wait()
+            self.error = e
+
+    def wait(self):
+        """Block until the last checkpoint is on disk; raise if writing it failed."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+def write_run_files(out_dir: str, tokenizer: Tokenizer, model: LlamaForPretraining):
+    """tokenizer.json and config.json: what it takes to use model.pt later."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_save(tokenizer.to_str(), out / TOKENIZER)
+    atomic_save(json.dumps(dataclasses.asdict(model.config), indent=2), out / CONFIG)
+
+
+def load_trained(out_dir: str) -> LlamaForPretraining:
+    """Rebuild the trained model from an output folder (config.json + model.pt)."""
+    out = Path(out_dir)
+    model = LlamaForPretraining(LlamaConfig(**json.loads((out / CONFIG).read_text())))
+    model.load_state_dict(torch.load(out / MODEL, map_location="cpu", weights_only=True))
+    return model
