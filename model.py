@@ -201,3 +201,13 @@ class LlamaForPretraining(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward): 6 per weight of every matmul (the
+        embedding lookup is no matmul; the LM head is one), plus 6 * 2 * hidden * seq_len per
+        layer for the attention scores and their weighted sum (PaLM's estimate, which does
+        not halve for the causal mask)."""
+        c = self.config
+        matmul_weights = sum(p.numel() for name, p in self.named_parameters()
+                             if p.dim() == 2 and "embed_tokens" not in name)
+        return 6 * matmul_weights + 12 * c.num_hidden_layers * c.hidden_size * seq_len

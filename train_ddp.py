@@ -77,6 +77,7 @@ def main():
         torch.cuda.set_device(device)  # before init, else every rank opens a context on GPU 0
     else:
         device = torch.device("cpu")
+    dtype = training.compute_dtype(cfg.dtype, device)
     backend = cfg.backend or ("nccl" if device.type == "cuda" else "gloo")
     timeout = datetime.timedelta(minutes=cfg.timeout_minutes)  # how long a collective may wait
     if "RANK" in os.environ:  # MASTER_ADDR/PORT, RANK and WORLD_SIZE come from torchrun
@@ -89,12 +90,16 @@ def main():
         store = dist.HashStore()  # a world of one
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
-        train(cfg, rank, local_rank, world_size, micro_batch, device)
+        train(cfg, rank, local_rank, world_size, micro_batch, device, dtype)
     finally:
         dist.destroy_process_group()  # on every exit path, errors included
 
 
-def train(cfg, rank, local_rank, world_size, micro_batch, device):
+def train(cfg, rank, local_rank, world_size, micro_batch, device, dtype):
+    amp = training.autocast(dtype, device)  # matmuls in dtype; weights and loss stay fp32
+    # Small control messages (the stop flag) go over gloo on the CPU: under NCCL they would
+    # need a GPU tensor, and reading it back would stall the host on every step.
+    control = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
     ckpt = on_all_ranks(lambda: checkpointing.check_out_dir(cfg.out_dir, cfg.resume))  # refuses to overwrite a run; loads it on --resume
     train_text, val_text = on_all_ranks(lambda: training.load_text(cfg), first=local_rank == 0)
@@ -108,6 +113,8 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device):
 
     # ---- model and optimizer ----
     raw_model = training.build_model(cfg, tokenizer.get_vocab_size()).to(device)
+    if cfg.compile:
+        raw_model.compile()  # in place: the state_dict keeps its keys (no `_orig_mod.` prefix)
     optimizer, scheduler = training.make_optimizer(raw_model, cfg, total_steps)
     step = 0
     if ckpt:
@@ -118,7 +125,10 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device):
     if rank == 0:  # every file is written by rank 0 only
         checkpointing.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
     # DDP: one replica per process; gradients are all-reduced during backward
-    model = DDP(raw_model, device_ids=[local_rank] if device.type == "cuda" else None)
+    # gradient_as_bucket_view: gradients live inside DDP's all-reduce buckets (no copy);
+    # no buffer sync on every forward: the only buffers are the constant RoPE tables.
+    model = DDP(raw_model, device_ids=[local_rank] if device.type == "cuda" else None,
+                gradient_as_bucket_view=True, **training.no_buffer_sync())
 
     # Each rank reads every world_size-th sample of one shared permutation, so the ranks'
     # batches together are exactly the global batch that train_dp.py sees at this step.
@@ -133,13 +143,15 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device):
     if rank == 0:
         print(f"{raw_model.num_parameters() / 1e6:.1f}M parameters | {len(train_ds)} training sequences | "
               f"{steps_per_epoch} steps per epoch | {total_steps} steps | {micro_batch} sequences x "
-              f"{cfg.grad_accum} micro-steps per step x {world_size} ranks | device {device} ({dist.get_backend()})")
+              f"{cfg.grad_accum} micro-steps per step x {world_size} ranks | device {device} ({dist.get_backend()}) "
+              f"| {dtype}{' | compiled' if cfg.compile else ''}")
 
     # ---- training loop ----
     out = Path(cfg.out_dir)
     last_step = min(total_steps, cfg.stop_at_step or total_steps)
     train_totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, targets] since last log
     pbar = tqdm(total=total_steps, initial=step, dynamic_ncols=True, disable=rank != 0)
+    flops_per_token, peak = raw_model.flops_per_token(cfg.seq_len), training.peak_tflops(device, dtype)
     loader_iter, t0, steps_timed, preempted = None, time.perf_counter(), 0, False
     while step < last_step:
         epoch, step_in_epoch = divmod(step, steps_per_epoch)
@@ -157,7 +169,8 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device):
             # Only the last micro-step all-reduces gradients; the others accumulate locally.
             # no_sync must wrap forward too, not just backward, or DDP syncs anyway.
             with model.no_sync() if i < cfg.grad_accum - 1 else contextlib.nullcontext():
-                loss_sum = model(x, y)[0].sum()
+                with amp:
+                    loss_sum = model(x, y)[0].sum()
                 # DDP averages gradients over ranks; times world_size makes that a sum, so
                 # every token in the global step weighs the same, as in one process.
                 (loss_sum * world_size / n_tokens).backward()
@@ -174,16 +187,17 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device):
         pbar.update()
         # The signal reaches the ranks at different moments; one tiny all-reduce per step
         # makes all of them stop after the same step instead of racing.
-        flag = torch.tensor([stop.requested], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = torch.tensor([stop.requested], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
         preempted = bool(flag.item())
 
         if step % cfg.log_every == 0 or step == last_step:
             dist.all_reduce(train_totals[:1])  # loss sums of every rank (the counts are global already)
             loss = (train_totals[0] / train_totals[1]).item()  # token-weighted mean since last log
-            tokens_per_s = steps_timed * cfg.batch_size * cfg.seq_len / (time.perf_counter() - t0)
-            metrics.write(step=step, epoch=epoch, loss=loss, lr=lr, tokens_per_s=tokens_per_s)
-            pbar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+            speed = training.throughput(time.perf_counter() - t0, steps_timed, cfg, train_totals[1].item(),
+                                        flops_per_token, peak, world_size)
+            metrics.write(step=step, epoch=epoch, loss=loss, lr=lr, **speed)
+            pbar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{speed['tokens_per_s']:,.0f}")
             train_totals.zero_()
             t0, steps_timed = time.perf_counter(), 0
         pause = time.perf_counter()  # saving and evaluation do not count as training time
@@ -194,7 +208,7 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device):
         if preempted:
             break
         if step % cfg.eval_every == 0 or step == last_step:
-            totals = training.evaluate(raw_model, val_loader, device)  # the plain module: no DDP hooks
+            totals = training.evaluate(raw_model, val_loader, device, amp)  # the plain module: no DDP hooks
             dist.all_reduce(totals)  # [loss sum, targets] over every rank's shard
             val_loss = (totals[0] / totals[1]).item()
             metrics.write(step=step, epoch=epoch, val_loss=val_loss)

@@ -21,14 +21,19 @@ from tqdm import tqdm
 
 import checkpointing
 import training
-from data import ResumableDistributedSampler
+from data import ResumableDistributedSampler, UsageError
 from model import IGNORE_INDEX
 
 
 def main():
     cfg = training.parse_args(description=__doc__)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    micro_batch = training.check_batch(cfg, world_size=1)
+    world_size = 1  # one process, however many GPUs it drives
+    micro_batch = training.check_batch(cfg, world_size)
+    if cfg.compile and torch.cuda.device_count() > 1:
+        raise UsageError("--compile does not work under nn.DataParallel: use train_ddp.py")
+    dtype = training.compute_dtype(cfg.dtype, device)
+    amp = training.autocast(dtype, device)  # matmuls in dtype; weights and loss stay fp32
 
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
     ckpt = checkpointing.check_out_dir(cfg.out_dir, cfg.resume)  # refuses to overwrite a run; loads it on --resume
@@ -40,6 +45,8 @@ def main():
 
     # ---- model and optimizer ----
     raw_model = training.build_model(cfg, tokenizer.get_vocab_size()).to(device)
+    if cfg.compile:
+        raw_model.compile()  # in place: the state_dict keeps its keys (no `_orig_mod.` prefix)
     optimizer, scheduler = training.make_optimizer(raw_model, cfg, total_steps)
     step = 0
     if ckpt:
@@ -62,13 +69,14 @@ def main():
     stop = training.StopSignal()  # SIGTERM/SIGUSR1: finish the step, save, exit 0
     print(f"{raw_model.num_parameters() / 1e6:.1f}M parameters | {len(train_ds)} training sequences | "
           f"{steps_per_epoch} steps per epoch | {total_steps} steps | {micro_batch} sequences x "
-          f"{cfg.grad_accum} micro-steps per step | device {device}")
+          f"{cfg.grad_accum} micro-steps per step | device {device} | {dtype}{' | compiled' if cfg.compile else ''}")
 
     # ---- training loop ----
     out = Path(cfg.out_dir)
     last_step = min(total_steps, cfg.stop_at_step or total_steps)
     train_totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, targets] since last log
     pbar = tqdm(total=total_steps, initial=step, dynamic_ncols=True)
+    flops_per_token, peak = raw_model.flops_per_token(cfg.seq_len), training.peak_tflops(device, dtype)
     loader_iter, t0, steps_timed, preempted = None, time.perf_counter(), 0, False
     while step < last_step:
         epoch, step_in_epoch = divmod(step, steps_per_epoch)
@@ -82,7 +90,8 @@ def main():
         # summed loss by this count weighs every token the same, however many pads there are.
         n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in batches)
         for x, y in batches:
-            loss_sum = model(x, y)[0].sum()  # DataParallel returns one partial sum per GPU
+            with amp:
+                loss_sum = model(x, y)[0].sum()  # DataParallel returns one partial sum per GPU
             (loss_sum / n_tokens).backward()  # gradients accumulate over the micro-batches
             train_totals[0] += loss_sum.detach()
         train_totals[1] += n_tokens
@@ -99,9 +108,10 @@ def main():
 
         if step % cfg.log_every == 0 or step == last_step:
             loss = (train_totals[0] / train_totals[1]).item()  # token-weighted mean since last log
-            tokens_per_s = steps_timed * cfg.batch_size * cfg.seq_len / (time.perf_counter() - t0)
-            metrics.write(step=step, epoch=epoch, loss=loss, lr=lr, tokens_per_s=tokens_per_s)
-            pbar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+            speed = training.throughput(time.perf_counter() - t0, steps_timed, cfg, train_totals[1].item(),
+                                        flops_per_token, peak, world_size)
+            metrics.write(step=step, epoch=epoch, loss=loss, lr=lr, **speed)
+            pbar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{speed['tokens_per_s']:,.0f}")
             train_totals.zero_()
             t0, steps_timed = time.perf_counter(), 0
         pause = time.perf_counter()  # saving and evaluation do not count as training time
@@ -110,7 +120,7 @@ def main():
         if preempted:
             break
         if step % cfg.eval_every == 0 or step == last_step:
-            totals = training.evaluate(raw_model, val_loader, device)
+            totals = training.evaluate(raw_model, val_loader, device, amp)
             val_loss = (totals[0] / totals[1]).item()
             metrics.write(step=step, epoch=epoch, val_loss=val_loss)
             tqdm.write(f"step {step}: val loss {val_loss:.4f}")

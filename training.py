@@ -5,6 +5,7 @@ DDP; the two scripts hold exactly the parts that differ.
 
 import argparse
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -41,6 +42,9 @@ class TrainConfig:
     vocab_size: int | None = flag(None, "BPE vocabulary size to train", type=int)
     # model and batch
     model: str = flag("tiny", "model preset", choices=sorted(PRESETS))
+    dtype: str = flag("auto", "compute dtype; weights and optimizer state stay fp32. auto: bf16 on GPUs "
+                      "that support it and on CPUs with AMX, else fp32", choices=["auto", "fp32", "bf16"])
+    compile: bool = flag(False, "torch.compile the model (the inner module, before DDP wraps it)")
     seq_len: int | None = flag(None, "tokens per sequence", type=int)
     batch_size: int | None = flag(None, "GLOBAL sequences per optimizer step (all ranks, all micro-batches)", type=int)
     grad_accum: int = flag(1, "micro-batches per optimizer step")
@@ -197,13 +201,43 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> LlamaForPretraining:
     return LlamaForPretraining(model_config)
 
 
+def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """The dtype autocast runs matmuls in. bf16 pays where the hardware has bf16 matrix
+    units: GPUs from Ampere on, and CPUs with AMX (Xeon Sapphire Rapids and later, where a
+    bf16 matmul runs several times faster than fp32). Elsewhere auto keeps fp32."""
+    if choice == "fp32":
+        return torch.float32
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        if choice == "bf16":
+            raise UsageError("--dtype bf16: this GPU does not support bf16")
+        return torch.float32
+    if choice == "bf16" or torch.cpu._is_amx_tile_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def autocast(dtype: torch.dtype, device: torch.device):
+    """Forward passes under `with autocast(...)` run matmuls in dtype; fp32 turns it off."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def no_buffer_sync() -> dict:
+    """DDP's option to skip re-broadcasting buffers from rank 0 on every forward: ours are
+    constant RoPE tables. torch 2.13 renamed broadcast_buffers to forward_sync_buffers."""
+    options = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in options else {"broadcast_buffers": False}
+
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, total_steps: int):
     # Decay matrices and embeddings; RMSNorm gains (1-D) stay undecayed, as usual for Llama.
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.99), eps=1e-8)
+        lr=cfg.lr, betas=(0.9, 0.99), eps=1e-8,
+        fused=decay[0].is_cuda)  # one kernel for the whole update on GPUs
     warmup = cfg.warmup_steps
 
     def lr_factor(step):  # multiplies the peak LR
@@ -257,15 +291,43 @@ class StopSignal:
 
 
 @torch.no_grad()
-def evaluate(model, loader, device) -> torch.Tensor:
+def evaluate(model, loader, device, amp) -> torch.Tensor:
     """Return this process's [sum of token losses, number of targets] over `loader`."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for x, y in loader:
-        loss_sum, n_tokens = model(x.to(device), y.to(device))
+        with amp:
+            loss_sum, n_tokens = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
         totals += torch.stack([loss_sum.sum(), n_tokens.sum()])
     model.train()
     return totals
+
+
+# Dense bf16 tensor-core peaks in TFLOP/s, for MFU; the first name contained in
+# torch.cuda.get_device_name() wins. Add yours: the figure is on the GPU's data sheet.
+GPU_BF16_PEAK_TFLOPS = [("H200", 989), ("H100 PCIe", 756), ("H100", 989), ("A100", 312),
+                        ("L40S", 362), ("L4", 121)]
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype):
+    """The device's bf16 peak, when known and the run computes in bf16; else None."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in GPU_BF16_PEAK_TFLOPS if key in name), None)
+
+
+def throughput(seconds: float, steps: int, cfg: TrainConfig, nonpad_tokens: float, flops_per_token: int,
+               peak: float | None, world_size: int) -> dict:
+    """Speed over `steps` optimizer steps that took `seconds` of wall time, data loading
+    included. tokens_per_s counts every position, pads too (that is the work done);
+    tokens_per_s_nonpad only the real targets. MFU: achieved over peak FLOP/s, all devices."""
+    tokens_per_s = steps * cfg.batch_size * cfg.seq_len / seconds
+    speed = {"tokens_per_s": tokens_per_s, "tokens_per_s_nonpad": nonpad_tokens / seconds,
+             "tflops": flops_per_token * tokens_per_s / 1e12}
+    if peak:
+        speed["mfu"] = speed["tflops"] / (peak * world_size)
+    return speed
 
 
 class MetricsLog:

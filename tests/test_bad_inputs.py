@@ -168,6 +168,7 @@ BAD_FLAGS = [
     ("--val-docs", "100000", "cannot hold out 100000 validation documents"),
     ("--vocab-size", "100", "--vocab-size must be at least 259"),
     ("--model", "huge", "argument --model: invalid choice: 'huge'"),
+    ("--dtype", "fp16", "argument --dtype: invalid choice: 'fp16'"),
     ("--seq-len", "2048", "exceeds the tiny model's 1024 positions"),
     ("--dataset", "{missing}", "dataset file or folder not found"),
     ("--dataset", "{garbage_parquet}", "Parquet magic bytes not found"),

@@ -1,0 +1,253 @@
+"""Measure training speed on this machine, side by side in one run.
+
+    python bench.py                  # CPU: tiny model, seq 256; GPU: article model, seq 512, batch 64
+    python bench.py --compile        # also torch.compile our path (slow to compile on a CPU)
+
+Table 1 is the tutorial's comparison: one process, nn.DataParallel (when there is more than
+one GPU) and DDP at world size 1..N (N = the GPUs, or 2 processes on a CPU). Every row
+trains the same global batch; tokens/s counts all positions of every rank. Table 2 starts
+from the tutorial's formulation (an explicit float causal+padding mask, fp32, logits
+returned and the loss taken outside the model) and turns our changes on one at a time.
+Both go to stdout and to --json. Synthetic right-padded batches are used, so no dataset
+is needed; timing starts after warm-up steps, on the same batches for every row.
+"""
+
+import argparse
+import json
+import os
+import resource
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+import training
+from model import IGNORE_INDEX, PRESETS, LlamaConfig, LlamaForPretraining
+
+VOCAB = {"tiny": 4096, "article": 50000}
+
+
+def parse_args():
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(PRESETS), default="article" if cuda else "tiny")
+    p.add_argument("--seq-len", type=int, default=512 if cuda else 256)
+    p.add_argument("--batch-size", type=int, default=64 if cuda else 16, help="global sequences per step")
+    p.add_argument("--steps", type=int, default=20 if cuda else 8, help="timed steps per row")
+    p.add_argument("--warmup", type=int, default=5 if cuda else 2, help="untimed steps per row")
+    p.add_argument("--compile", action="store_true", help="torch.compile our path (on by default on a GPU)")
+    p.add_argument("--max-world-size", type=int, default=torch.cuda.device_count() if cuda else 2)
+    p.add_argument("--json", default="bench.json")
+    args = p.parse_args()
+    args.compile = args.compile or cuda
+    return args
+
+
+def synthetic_batches(args, n=4):
+    """n global batches of right-padded sequences: lengths from a quarter to all of seq_len."""
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(n):
+        tokens = torch.randint(3, VOCAB[args.model], (args.batch_size, args.seq_len + 1), generator=g)
+        lengths = torch.randint(args.seq_len // 4, args.seq_len + 2, (args.batch_size, 1), generator=g)
+        real = torch.arange(args.seq_len + 1)[None, :] < lengths
+        x = tokens[:, :-1].masked_fill(~real[:, :-1], 0)  # [PAD] = 0
+        y = tokens[:, 1:].masked_fill(~real[:, 1:], IGNORE_INDEX)
+        batches.append((x, y))
+    return batches
+
+
+# ---- the tutorial's formulation, for the ablation ------------------------------------------
+
+_sdpa = F.scaled_dot_product_attention
+_mask = {}
+
+
+def _sdpa_with_float_mask(q, k, v, is_causal, enable_gqa):
+    return _sdpa(q, k, v, attn_mask=_mask["mask"], enable_gqa=enable_gqa)
+
+
+def float_mask(x):
+    """What the tutorial builds every step: (B, 1, T, T), 0 where allowed, -inf elsewhere."""
+    T = x.shape[1]
+    allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None] & (x != 0)[:, None, None, :]
+    return torch.zeros(allowed.shape, device=x.device).masked_fill(~allowed, float("-inf"))
+
+
+# ---- one timed run --------------------------------------------------------------------------
+
+def build(args, device, compile_model):
+    torch.manual_seed(0)
+    model = LlamaForPretraining(LlamaConfig(vocab_size=VOCAB[args.model], **PRESETS[args.model])).to(device)
+    if compile_model:
+        model.compile()
+    return model
+
+
+def time_steps(args, model, batches, device, dtype, mask=False, loss_inside=True, ddp_world=None):
+    """Run warm-up plus timed optimizer steps; return steps/s and peak memory."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    amp = training.autocast(dtype, device)
+    F.scaled_dot_product_attention = _sdpa_with_float_mask if mask else _sdpa
+
+    def step(x, y):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if mask:
+            _mask["mask"] = float_mask(x)
+        with amp:
+            if loss_inside:
+                loss_sum, n = model(x, y)
+                loss = loss_sum.sum() / n.sum()
+            else:  # logits out of the model, then the loss
+                logits = model(x)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    try:
+        for i in range(args.warmup):
+            step(*batches[i % len(batches)])
+        sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            step(*batches[i % len(batches)])
+        sync(device)
+        seconds = time.perf_counter() - t0
+    finally:
+        F.scaled_dot_product_attention = _sdpa
+    return {"steps_per_s": args.steps / seconds, "peak_mem_gb": peak_memory_gb(device)}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif dist.is_initialized():
+        dist.barrier()
+
+
+def peak_memory_gb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS (KiB on Linux)
+
+
+# ---- table 1: one process, DataParallel, DDP ----------------------------------------------
+
+def ddp_worker(rank, world_size, port, args, dtype, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, os.cpu_count() // world_size))  # the cores are shared
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
+    model = nn.parallel.DistributedDataParallel(build(args, device, args.compile), device_ids=[rank] if cuda else None,
+                                                gradient_as_bucket_view=True, **training.no_buffer_sync())
+    shard = [(x[rank::world_size], y[rank::world_size]) for x, y in synthetic_batches(args)]
+    row = time_steps(args, model, shard, device, dtype)
+    memory = [None] * world_size
+    dist.all_gather_object(memory, row["peak_mem_gb"])
+    if rank == 0:
+        results.put({**row, "peak_mem_gb": memory})
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scaling_table(args, device, dtype, batches):
+    rows = [("one process", time_steps(args, build(args, device, args.compile), batches, device, dtype))]
+    if torch.cuda.device_count() > 1:  # DataParallel has nothing to split on a CPU or one GPU
+        dp = nn.DataParallel(build(args, device, compile_model=False))
+        row = time_steps(args, dp, batches, device, dtype)
+        row["peak_mem_gb"] = [torch.cuda.max_memory_allocated(i) / 2**30 for i in range(torch.cuda.device_count())]
+        rows.append(("DataParallel", row))
+    for world_size in range(1, args.max_world_size + 1):
+        results = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(ddp_worker, args=(world_size, free_port(), args, dtype, results), nprocs=world_size)
+        rows.append((f"DDP, world size {world_size}", results.get()))
+    return rows
+
+
+# ---- table 2: the ablation ----------------------------------------------------------------
+
+def ablation_table(args, device, dtype, batches):
+    fp32, bf16 = torch.float32, torch.bfloat16
+    variants = [  # (name, float mask, loss inside forward, dtype, compile)
+        ("tutorial: float mask, fp32, loss outside", True, False, fp32, False),
+        ("+ is_causal instead of the mask", False, False, fp32, False),
+        ("+ loss inside forward", True, True, fp32, False),
+        ("+ bf16 autocast", True, False, bf16, False),
+    ]
+    if args.compile:
+        variants.append(("+ torch.compile", True, False, fp32, True))
+    variants.append((f"ours, train_dp.py's default (--dtype auto = {str(dtype)[6:]})", False, True, dtype, False))
+    if dtype != bf16:
+        variants.append(("ours, --dtype bf16", False, True, bf16, False))
+    if args.compile:
+        variants.append(("ours, --dtype bf16 --compile", False, True, bf16, True))
+    rows = []
+    for name, mask, loss_inside, variant_dtype, compile_model in variants:
+        model = build(args, device, compile_model)
+        rows.append((name, time_steps(args, model, batches, device, variant_dtype, mask, loss_inside)))
+    return rows
+
+
+def print_table(title, rows, args):
+    tokens = args.batch_size * args.seq_len
+    # A process's peak RSS never goes down: on a CPU, rows measured in one process show the
+    # largest so far. GPU rows (and each DDP process) report their own peak.
+    memory = "peak GPU memory (GB)" if torch.cuda.is_available() else "peak RSS so far (GB)"
+    print(f"\n{title}\n{'':2}{'run':<55}{'steps/s':>9}{'tokens/s':>11}  {memory}")
+    for name, row in rows:
+        memory = row["peak_mem_gb"]
+        memory = " / ".join(f"{m:.2f}" for m in memory) if isinstance(memory, list) else f"{memory:.2f}"
+        print(f"  {name:<55}{row['steps_per_s']:>9.2f}{row['steps_per_s'] * tokens:>11,.0f}  {memory}")
+
+
+def main():
+    args = parse_args()
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = training.compute_dtype("auto", device)
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
+    print(f"{name} | torch {torch.__version__} | {args.model} model | {args.batch_size} x {args.seq_len} tokens "
+          f"per step | --dtype auto = {dtype} | {args.warmup} warm-up + {args.steps} timed steps per row")
+    batches = synthetic_batches(args)
+    scaling = scaling_table(args, device, dtype, batches)
+    print_table("Table 1: one process, DataParallel, DDP (same global batch)", scaling, args)
+    ablation = ablation_table(args, device, dtype, batches)
+    print_table("Table 2: the tutorial's formulation, then our changes one at a time", ablation, args)
+
+    speed = {name: row["steps_per_s"] for name, row in scaling + ablation}
+    tutorial = ablation[0][1]["steps_per_s"]
+    ratios = {"ddp_world_1_vs_one_process": speed["DDP, world size 1"] / speed["one process"]}
+    ratios.update({f"{name} vs tutorial": row["steps_per_s"] / tutorial for name, row in ablation[1:]})
+    print("\nRatios (tokens/s, side by side in this run):")
+    for key, value in ratios.items():
+        print(f"  {key:<70}{value:6.2f}x")
+    flops = build(args, torch.device("cpu"), False).flops_per_token(args.seq_len)
+    peak = training.peak_tflops(device, dtype)
+    best = max(row["steps_per_s"] for _, row in ablation)
+    if peak:
+        mfu = flops * best * args.batch_size * args.seq_len / 1e12 / peak
+        print(f"  MFU of the fastest one-device row: {mfu:.1%} of {peak} TFLOP/s")
+    with open(args.json, "w") as f:
+        json.dump({"device": name, "torch": torch.__version__, "args": vars(args), "dtype_auto": str(dtype),
+                   "flops_per_token": flops, "scaling": dict(scaling), "ablation": dict(ablation),
+                   "ratios": ratios}, f, indent=2)
+    print(f"\nwritten to {args.json}")
+
+
+if __name__ == "__main__":
+    main()

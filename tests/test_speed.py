@@ -1,0 +1,101 @@
+"""The fast paths train the same model: bf16 autocast and torch.compile. The throughput
+figures in metrics.jsonl are computed from a FLOP count that matches PyTorch's own."""
+
+import shutil
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import checkpointing
+import training
+from conftest import FAST, load_weights, max_weight_diff, metrics, run_script
+from model import LlamaConfig, LlamaForPretraining
+
+
+def test_flops_per_token_matches_pytorchs_flop_counter():
+    config = LlamaConfig(vocab_size=97, max_position_embeddings=64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
+    model = LlamaForPretraining(config)
+    B, T = 2, 32
+    x = torch.randint(0, 97, (B, T))
+    # the math backend computes attention with plain matmuls, which the counter sees
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        loss_sum, _ = model(x, x)
+        loss_sum.backward()
+    assert counter.get_total_flops() == model.flops_per_token(T) * B * T
+
+
+def test_compute_dtype(monkeypatch):
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert training.compute_dtype("fp32", cpu) == torch.float32
+    assert training.compute_dtype("bf16", cpu) == torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert training.compute_dtype("auto", cpu) == torch.bfloat16  # a Xeon with AMX
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert training.compute_dtype("auto", cpu) == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert training.compute_dtype("auto", gpu) == torch.float32  # e.g. a V100
+    with pytest.raises(training.UsageError, match="does not support bf16"):
+        training.compute_dtype("bf16", gpu)
+
+
+def test_mfu_uses_the_gpus_bf16_peak(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    gpu = torch.device("cuda", 0)
+    assert training.peak_tflops(gpu, torch.bfloat16) == 756
+    assert training.peak_tflops(gpu, torch.float32) is None  # no MFU against a peak we don't use
+    assert training.peak_tflops(torch.device("cpu"), torch.bfloat16) is None
+    cfg = training.parse_args(["--batch-size", "64", "--seq-len", "512"])
+    speed = training.throughput(2.0, steps=10, cfg=cfg, nonpad_tokens=300_000, flops_per_token=10**9,
+                                peak=756, world_size=4)
+    assert speed["tokens_per_s"] == 10 * 64 * 512 / 2.0 and speed["tokens_per_s_nonpad"] == 150_000
+    assert speed["tflops"] == pytest.approx(163.84)
+    assert speed["mfu"] == pytest.approx(163.84 / (4 * 756))
+
+
+def test_bf16_trains_like_fp32(runs):
+    fp32 = runs("dp", "train_dp.py")
+    bf16 = runs("dp_bf16", "train_dp.py", ["--dtype", "bf16"])
+    losses = [row["loss"] for row in metrics(bf16) if "loss" in row]
+    reference = [row["loss"] for row in metrics(fp32) if "loss" in row]
+    assert losses[-1] < losses[0] - 0.5  # it learns
+    assert losses == pytest.approx(reference, abs=0.05)  # and follows the fp32 run
+    assert all(w.dtype == torch.float32 for w in load_weights(bf16).values())  # fp32 master weights
+
+
+def test_compiled_run_trains_the_same_model_and_its_checkpoints_load_into_a_plain_one(runs, tmp_path):
+    eager = runs("dp", "train_dp.py")
+    compiled = runs("dp_compiled", "train_dp.py", ["--compile"])
+    assert max_weight_diff(load_weights(eager), load_weights(compiled)) < 1e-5
+    rows = [row for row in metrics(compiled) if "loss" in row]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
+    assert {"tokens_per_s", "tokens_per_s_nonpad", "tflops"} <= rows[-1].keys()
+    # model.pt has plain keys and loads strictly; the step-4 checkpoint resumes without --compile
+    checkpointing.load_trained(compiled)
+    out = tmp_path / "resumed"
+    shutil.copytree(compiled, out)
+    for later in ("checkpoint.pt", "checkpoint-00000008.pt", "model.pt"):
+        (out / later).unlink()
+    run_script("train_dp.py", ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), "--resume"])
+    assert max_weight_diff(load_weights(eager), load_weights(out)) < 1e-5
+
+
+def test_bench_runs_every_row_and_writes_its_table(tmp_path):
+    """bench.py at toy size: one process, DDP at world sizes 1 and 2 (gloo), the ablation."""
+    import json
+    import subprocess
+    import sys
+    from conftest import REPO
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench.py"), "--steps", "1", "--warmup", "1", "--seq-len", "32",
+                           "--batch-size", "4", "--json", str(out)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert list(result["scaling"]) == ["one process", "DDP, world size 1", "DDP, world size 2"]
+    assert len(result["scaling"]["DDP, world size 2"]["peak_mem_gb"]) == 2  # one figure per rank
+    assert list(result["ablation"])[0] == "tutorial: float mask, fp32, loss outside"
+    assert all(row["steps_per_s"] > 0 for table in ("scaling", "ablation") for row in result[table].values())
+    assert "ddp_world_1_vs_one_process" in result["ratios"] and "Table 2" in proc.stdout
