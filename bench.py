@@ -18,6 +18,7 @@ import os
 import resource
 import socket
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,9 @@ import torch.nn.functional as F
 
 import training
 from model import IGNORE_INDEX, PRESETS, LlamaConfig, LlamaForPretraining
+
+# DDP's broadcast_buffers=False, as in train_ddp.py (which explains the filter)
+warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
 
 VOCAB = {"tiny": 4096, "article": 50000}
 
@@ -150,7 +154,7 @@ def ddp_worker(rank, world_size, port, args, dtype, results):
         torch.set_num_threads(max(1, os.cpu_count() // world_size))  # the cores are shared
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
     model = nn.parallel.DistributedDataParallel(build(args, device, args.compile), device_ids=[rank] if cuda else None,
-                                                gradient_as_bucket_view=True, **training.no_buffer_sync())
+                                                gradient_as_bucket_view=True, broadcast_buffers=False)
     shard = [(x[rank::world_size], y[rank::world_size]) for x, y in synthetic_batches(args)]
     row = time_steps(args, model, shard, device, dtype)
     memory = [None] * world_size

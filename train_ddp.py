@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -23,6 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from tokenizers import Tokenizer
 from tqdm import tqdm
+
+warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
 
 import checkpointing
 import training
@@ -126,9 +129,11 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device, dtype):
         checkpointing.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
     # DDP: one replica per process; gradients are all-reduced during backward
     # gradient_as_bucket_view: gradients live inside DDP's all-reduce buckets (no copy);
-    # no buffer sync on every forward: the only buffers are the constant RoPE tables.
+    # broadcast_buffers=False: the only buffers are the constant RoPE tables, no need to
+    # re-send them every forward (torch 2.13 renames it forward_sync_buffers; older ones
+    # lack that name, so this file keeps the old one and hides its deprecation warning).
     model = DDP(raw_model, device_ids=[local_rank] if device.type == "cuda" else None,
-                gradient_as_bucket_view=True, **training.no_buffer_sync())
+                gradient_as_bucket_view=True, broadcast_buffers=False)
 
     # Each rank reads every world_size-th sample of one shared permutation, so the ranks'
     # batches together are exactly the global batch that train_dp.py sees at this step.
@@ -197,7 +202,8 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device, dtype):
             speed = training.throughput(time.perf_counter() - t0, steps_timed, cfg, train_totals[1].item(),
                                         flops_per_token, peak, world_size)
             metrics.write(step=step, epoch=epoch, loss=loss, lr=lr, **speed)
-            pbar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{speed['tokens_per_s']:,.0f}")
+            pbar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{speed['tokens_per_s']:,.0f}",
+                             tflops=f"{speed['tflops']:.3g}", **({"mfu": f"{speed['mfu']:.1%}"} if peak else {}))
             train_totals.zero_()
             t0, steps_timed = time.perf_counter(), 0
         pause = time.perf_counter()  # saving and evaluation do not count as training time
@@ -212,7 +218,8 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device, dtype):
             dist.all_reduce(totals)  # [loss sum, targets] over every rank's shard
             val_loss = (totals[0] / totals[1]).item()
             metrics.write(step=step, epoch=epoch, val_loss=val_loss)
-            tqdm.write(f"step {step}: val loss {val_loss:.4f}")
+            if rank == 0:  # tqdm.write prints even where the bar is disabled
+                tqdm.write(f"step {step}: val loss {val_loss:.4f}")
         t0 += time.perf_counter() - pause
     pbar.close()
     writer.wait()  # the last checkpoint is on disk before we go on

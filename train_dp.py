@@ -111,7 +111,8 @@ def main():
             speed = training.throughput(time.perf_counter() - t0, steps_timed, cfg, train_totals[1].item(),
                                         flops_per_token, peak, world_size)
             metrics.write(step=step, epoch=epoch, loss=loss, lr=lr, **speed)
-            pbar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{speed['tokens_per_s']:,.0f}")
+            pbar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{speed['tokens_per_s']:,.0f}",
+                             tflops=f"{speed['tflops']:.3g}", **({"mfu": f"{speed['mfu']:.1%}"} if peak else {}))
             train_totals.zero_()
             t0, steps_timed = time.perf_counter(), 0
         pause = time.perf_counter()  # saving and evaluation do not count as training time

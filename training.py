@@ -5,7 +5,6 @@ DDP; the two scripts hold exactly the parts that differ.
 
 import argparse
 import dataclasses
-import inspect
 import json
 import math
 import os
@@ -223,13 +222,6 @@ def autocast(dtype: torch.dtype, device: torch.device):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
-def no_buffer_sync() -> dict:
-    """DDP's option to skip re-broadcasting buffers from rank 0 on every forward: ours are
-    constant RoPE tables. torch 2.13 renamed broadcast_buffers to forward_sync_buffers."""
-    options = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
-    return {"forward_sync_buffers": False} if "forward_sync_buffers" in options else {"broadcast_buffers": False}
-
-
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, total_steps: int):
     # Decay matrices and embeddings; RMSNorm gains (1-D) stay undecayed, as usual for Llama.
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -324,7 +316,7 @@ def throughput(seconds: float, steps: int, cfg: TrainConfig, nonpad_tokens: floa
     tokens_per_s_nonpad only the real targets. MFU: achieved over peak FLOP/s, all devices."""
     tokens_per_s = steps * cfg.batch_size * cfg.seq_len / seconds
     speed = {"tokens_per_s": tokens_per_s, "tokens_per_s_nonpad": nonpad_tokens / seconds,
-             "tflops": flops_per_token * tokens_per_s / 1e12}
+             "flops_per_token": flops_per_token, "tflops": flops_per_token * tokens_per_s / 1e12}
     if peak:
         speed["mfu"] = speed["tflops"] / (peak * world_size)
     return speed

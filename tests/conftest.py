@@ -106,7 +106,7 @@ def metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-SPEED = {"tokens_per_s", "tokens_per_s_nonpad", "tflops", "mfu"}
+SPEED = {"tokens_per_s", "tokens_per_s_nonpad", "flops_per_token", "tflops", "mfu"}
 
 
 def without_speed(rows: list[dict]) -> list[dict]:

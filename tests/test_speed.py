@@ -51,7 +51,7 @@ def test_mfu_uses_the_gpus_bf16_peak(monkeypatch):
     speed = training.throughput(2.0, steps=10, cfg=cfg, nonpad_tokens=300_000, flops_per_token=10**9,
                                 peak=756, world_size=4)
     assert speed["tokens_per_s"] == 10 * 64 * 512 / 2.0 and speed["tokens_per_s_nonpad"] == 150_000
-    assert speed["tflops"] == pytest.approx(163.84)
+    assert speed["tflops"] == pytest.approx(163.84) and speed["flops_per_token"] == 10**9
     assert speed["mfu"] == pytest.approx(163.84 / (4 * 756))
 
 
@@ -71,7 +71,7 @@ def test_compiled_run_trains_the_same_model_and_its_checkpoints_load_into_a_plai
     assert max_weight_diff(load_weights(eager), load_weights(compiled)) < 1e-5
     rows = [row for row in metrics(compiled) if "loss" in row]
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
-    assert {"tokens_per_s", "tokens_per_s_nonpad", "tflops"} <= rows[-1].keys()
+    assert {"tokens_per_s", "tokens_per_s_nonpad", "flops_per_token", "tflops"} <= rows[-1].keys()
     # model.pt has plain keys and loads strictly; the step-4 checkpoint resumes without --compile
     checkpointing.load_trained(compiled)
     out = tmp_path / "resumed"
