@@ -18,7 +18,6 @@ import os
 import resource
 import socket
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -28,9 +27,6 @@ import torch.nn.functional as F
 
 import training
 from model import IGNORE_INDEX, PRESETS, LlamaConfig, LlamaForPretraining
-
-# DDP's broadcast_buffers=False, as in train_ddp.py (which explains the filter)
-warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
 
 VOCAB = {"tiny": 4096, "article": 50000}
 
@@ -153,8 +149,7 @@ def ddp_worker(rank, world_size, port, args, dtype, results):
     else:
         torch.set_num_threads(max(1, os.cpu_count() // world_size))  # the cores are shared
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
-    model = nn.parallel.DistributedDataParallel(build(args, device, args.compile), device_ids=[rank] if cuda else None,
-                                                gradient_as_bucket_view=True, broadcast_buffers=False)
+    model = nn.parallel.DistributedDataParallel(build(args, device, args.compile), device_ids=[rank] if cuda else None)
     shard = [(x[rank::world_size], y[rank::world_size]) for x, y in synthetic_batches(args)]
     row = time_steps(args, model, shard, device, dtype)
     memory = [None] * world_size

@@ -15,7 +15,6 @@ import contextlib
 import datetime
 import os
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -24,8 +23,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from tokenizers import Tokenizer
 from tqdm import tqdm
-
-warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
 
 import checkpointing
 import training
@@ -128,12 +125,7 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device, dtype):
     if rank == 0:  # every file is written by rank 0 only
         checkpointing.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
     # DDP: one replica per process; gradients are all-reduced during backward
-    # gradient_as_bucket_view: gradients live inside DDP's all-reduce buckets (no copy);
-    # broadcast_buffers=False: the only buffers are the constant RoPE tables, no need to
-    # re-send them every forward (torch 2.13 renames it forward_sync_buffers; older ones
-    # lack that name, so this file keeps the old one and hides its deprecation warning).
-    model = DDP(raw_model, device_ids=[local_rank] if device.type == "cuda" else None,
-                gradient_as_bucket_view=True, broadcast_buffers=False)
+    model = DDP(raw_model, device_ids=[local_rank] if device.type == "cuda" else None)
 
     # Each rank reads every world_size-th sample of one shared permutation, so the ranks'
     # batches together are exactly the global batch that train_dp.py sees at this step.
