@@ -235,7 +235,9 @@ def main():
     print("\nRatios (tokens/s, side by side in this run):")
     for key, value in ratios.items():
         print(f"  {key:<70}{value:6.2f}x")
-    flops = build(args, torch.device("cpu"), False).flops_per_token(args.seq_len)
+    with torch.device("meta"):  # the parameter shapes, without allocating the weights
+        shapes_only = LlamaForPretraining(LlamaConfig(vocab_size=VOCAB[args.model], **PRESETS[args.model]))
+    flops = shapes_only.flops_per_token(args.seq_len)
     peak = training.peak_tflops(device, dtype)
     best = max(row["steps_per_s"] for _, row in ablation)
     if peak:

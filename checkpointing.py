@@ -24,8 +24,13 @@ CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS = (
 RUN_FILES = (CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS)  # plus checkpoint-<step>.pt
 
 
+def is_rank0() -> bool:
+    """Rank 0 of a torchrun job, or a plain `python` run: the process that speaks."""
+    return int(os.environ.get("RANK", 0)) == 0
+
+
 def warn(message: str):
-    if int(os.environ.get("RANK", 0)) == 0:
+    if is_rank0():
         print(f"warning: {message}", file=sys.stderr)
 
 

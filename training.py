@@ -7,7 +7,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 import data
-from checkpointing import METRICS, TOKENIZER, atomic_save
+from checkpointing import METRICS, TOKENIZER, atomic_save, is_rank0
 from data import UsageError
 from model import PRESETS, LlamaConfig, LlamaForPretraining
 
@@ -145,7 +144,7 @@ def run(main):
     try:
         main()
     except UsageError as e:
-        if int(os.environ.get("RANK", 0)) == 0:  # every rank sees the same error: print it once
+        if is_rank0():  # every rank sees the same error: print it once
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

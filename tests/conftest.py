@@ -22,6 +22,10 @@ sys.path.insert(0, str(REPO))
 FAST = ["--vocab-size", "300", "--seq-len", "32", "--batch-size", "8", "--max-steps", "8",
         "--warmup-steps", "2", "--log-every", "2", "--eval-every", "4", "--save-every", "4",
         "--val-docs", "8", "--dtype", "fp32"]
+# The same, for runs given --tokenizer: the tokenizer brings its vocabulary, and --vocab-size
+# next to --tokenizer is an error.
+_VOCAB = FAST.index("--vocab-size")
+FAST_WITH_TOKENIZER = FAST[:_VOCAB] + FAST[_VOCAB + 2:]
 
 
 # No test touches the network or the user's ~/.cache, and no progress bar clutters stderr.

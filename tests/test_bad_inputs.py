@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import FAST, REPO, run_script
+from conftest import FAST, FAST_WITH_TOKENIZER, REPO, run_script
 
 
 def snapshot(folder):
@@ -74,7 +74,7 @@ def test_bad_invocation_of_a_new_run(tmp_path, corpus, plain_tokenizer, case, sc
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("the user's own file")  # must survive untouched
-    fast = [a for a in FAST if a not in ("--vocab-size", "300")] if "--tokenizer" in extra else FAST
+    fast = FAST_WITH_TOKENIZER if "--tokenizer" in extra else FAST
     args = ["--dataset", str(corpus), *fast, *[fill.get(a, a) for a in extra]]
     check_refused(script, args, out, message)
 
@@ -196,7 +196,7 @@ def test_every_flag_rejects_a_bad_value(tmp_path, corpus, monkeypatch, capsys, f
     out.mkdir()
     (out / "notes.txt").write_text("the user's own file")
     before = snapshot(tmp_path)
-    fast = [a for a in FAST if a not in ("--vocab-size", "300")] if flag == "--tokenizer" else FAST
+    fast = FAST_WITH_TOKENIZER if flag == "--tokenizer" else FAST
     argv = ["train_ddp.py", "--dataset", str(corpus), *fast, "--out-dir", str(out), flag, fill.get(value, value)]
     monkeypatch.setattr("sys.argv", argv)
     with pytest.raises(SystemExit) as exit_info:

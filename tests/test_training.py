@@ -9,7 +9,7 @@ import torch
 import data
 import checkpointing
 import training
-from conftest import FAST, ddp_two_ranks, load_weights, max_weight_diff, metrics, run_script, without_speed
+from conftest import FAST, FAST_WITH_TOKENIZER, ddp_two_ranks, load_weights, max_weight_diff, metrics, run_script, without_speed
 from model import IGNORE_INDEX, LlamaForPretraining
 
 # DDP at 2 ranks sums gradients in a different order than one process, so weights agree to
@@ -139,7 +139,6 @@ def test_a_dataparallel_checkpoint_resumes_under_ddp_on_two_ranks(runs):
 
 def test_a_saved_tokenizer_reproduces_the_run(runs, tmp_path):
     first = runs("dp", "train_dp.py")
-    args = [a for a in FAST if a not in ("--vocab-size", "300")]  # the tokenizer brings its vocabulary
-    run_script("train_dp.py", ["--dataset", str(runs.corpus), *args, "--tokenizer", str(first / "tokenizer.json"),
+    run_script("train_dp.py", ["--dataset", str(runs.corpus), *FAST_WITH_TOKENIZER, "--tokenizer", str(first / "tokenizer.json"),
                                "--out-dir", str(tmp_path / "again")])
     assert max_weight_diff(load_weights(first), load_weights(tmp_path / "again")) == 0.0
