@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 import training
 from model import IGNORE_INDEX, PRESETS, LlamaConfig, LlamaForPretraining
+from train_ddp import DDP_OPTIONS
 
 VOCAB = {"tiny": 4096, "article": 50000}
 
@@ -149,7 +150,8 @@ def ddp_worker(rank, world_size, port, args, dtype, results):
     else:
         torch.set_num_threads(max(1, os.cpu_count() // world_size))  # the cores are shared
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
-    model = nn.parallel.DistributedDataParallel(build(args, device, args.compile), device_ids=[rank] if cuda else None)
+    model = nn.parallel.DistributedDataParallel(build(args, device, args.compile), device_ids=[rank] if cuda else None,
+                                                **DDP_OPTIONS)  # as train_ddp.py builds it
     shard = [(x[rank::world_size], y[rank::world_size]) for x, y in synthetic_batches(args)]
     row = time_steps(args, model, shard, device, dtype)
     memory = [None] * world_size

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from data import UsageError, first_line
+from data import UsageError, first_line, load_tokenizer
 from model import LlamaConfig, LlamaForPretraining
 
 CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS = (
@@ -211,9 +211,31 @@ def write_run_files(out_dir: str, tokenizer: Tokenizer, model: LlamaForPretraini
     atomic_save(json.dumps(dataclasses.asdict(model.config), indent=2), out / CONFIG)
 
 
-def load_trained(out_dir: str) -> LlamaForPretraining:
-    """Rebuild the trained model from an output folder (config.json + model.pt)."""
+def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
+    """The trained model (in eval mode, on the CPU) and its tokenizer, from an output folder:
+    config.json, tokenizer.json and model.pt, or the newest checkpoint while the run is
+    unfinished."""
     out = Path(out_dir)
-    model = LlamaForPretraining(LlamaConfig(**json.loads((out / CONFIG).read_text())))
-    model.load_state_dict(torch.load(out / MODEL, map_location="cpu", weights_only=True))
-    return model
+    if not (out / CONFIG).is_file():
+        raise UsageError(f"{out} is not an output folder of train_dp.py/train_ddp.py (no {CONFIG})")
+    try:
+        model = LlamaForPretraining(LlamaConfig(**json.loads((out / CONFIG).read_text())))
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"cannot read {out / CONFIG}: {first_line(e)}") from None
+    if (out / MODEL).is_file():
+        try:
+            state = torch.load(out / MODEL, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise UsageError(f"cannot load {out / MODEL}: {first_line(e)}") from None
+    else:
+        ckpt = load_latest_checkpoint(out) if any(out.glob("checkpoint*.pt")) else None
+        if ckpt is None:
+            raise UsageError(f"{out} holds no {MODEL} and no checkpoint: nothing trained yet")
+        warn(f"no {MODEL} in {out} (the run has not finished): using {Path(ckpt['path']).name}, "
+             f"step {ckpt['step']}")
+        state = ckpt["model"]
+    try:
+        model.load_state_dict(state)
+    except (RuntimeError, AttributeError) as e:
+        raise UsageError(f"the weights in {out} do not fit its {CONFIG}: {first_line(e)}") from None
+    return model.eval(), load_tokenizer(out / TOKENIZER)

@@ -77,8 +77,8 @@ class LlamaRotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, T: int):
-        return self.cos[:T], self.sin[:T]
+    def forward(self, T: int, start: int = 0):
+        return self.cos[start:start + T], self.sin[start:start + T]  # positions start .. start+T-1
 
 
 def rotate_half(x):
@@ -93,6 +93,26 @@ def apply_rotary_pos_emb(q, k, cos, sin):
     return q, k
 
 
+class KVCache:
+    """One layer's keys and values of every token so far, for generation: each new token
+    then costs one query against the cache instead of a forward over the whole prefix."""
+
+    def __init__(self, config: LlamaConfig, batch_size: int, max_len: int, device, dtype):
+        shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)  # (B, K, max_len, D)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0  # positions filled so far
+
+    def append(self, k, v):
+        """Store k, v (B, K, T, D) after the cached positions; return all of them so far."""
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions, {end} needed")
+        self.k[:, :, start:end], self.v[:, :, start:end] = k, v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -105,7 +125,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(C, self.num_kv_heads * D, bias=False)
         self.o_proj = nn.Linear(self.num_heads * D, C, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, kv_cache=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
@@ -116,7 +136,13 @@ class LlamaAttention(nn.Module):
         # Pad positions do attend to garbage, but their targets are ignored by the loss.
         # Without a materialized mask SDPA can use its flash/efficient kernels and stores
         # no (B, 1, T, T) tensor. enable_gqa lets K key/value heads serve H query heads.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if kv_cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:  # generation: the T new queries also see every cached position before them
+            start = kv_cache.length
+            k, v = kv_cache.append(k, v)  # (B, K, start + T, D)
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(y)
 
@@ -140,8 +166,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, h, cos, sin):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)  # pre-norm residual blocks
+    def forward(self, h, cos, sin, kv_cache=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache)  # pre-norm residual blocks
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h
 
@@ -154,11 +180,12 @@ class LlamaModel(nn.Module):
         self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config)
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, kv_caches=None):
         h = self.embed_tokens(input_ids)  # (B, T, C)
-        cos, sin = self.rotary_emb(input_ids.shape[1])
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        start = kv_caches[0].length if kv_caches else 0  # position of input_ids[:, 0]
+        cos, sin = self.rotary_emb(input_ids.shape[1], start)
+        for layer, cache in zip(self.layers, kv_caches or [None] * len(self.layers)):
+            h = layer(h, cos, sin, cache)
         return self.norm(h)
 
 
@@ -175,7 +202,7 @@ class LlamaForPretraining(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, input_ids, targets=None):
+    def forward(self, input_ids, targets=None, kv_caches=None):
         """input_ids: (B, T) token ids.
 
         Without targets: returns logits (B, T, V).
@@ -185,12 +212,15 @@ class LlamaForPretraining(nn.Module):
         nn.DataParallel gathers two numbers per replica onto GPU 0 instead of the full
         (B, T, V) logits. Callers divide by the global token count themselves, which keeps
         the loss exact however the batch is split over replicas, ranks and micro-batches.
+
+        kv_caches (generation only, from new_kv_caches): input_ids continue the tokens
+        already cached, and their keys and values are added to the caches.
         """
-        T = input_ids.shape[1]
-        if T > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {T} exceeds max_position_embeddings "
+        end = input_ids.shape[1] + (kv_caches[0].length if kv_caches else 0)
+        if end > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {end} exceeds max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
-        logits = self.lm_head(self.base_model(input_ids))
+        logits = self.lm_head(self.base_model(input_ids, kv_caches))
         if targets is None:
             return logits
         loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
@@ -198,6 +228,11 @@ class LlamaForPretraining(nn.Module):
         n_tokens = (targets != IGNORE_INDEX).sum()
         # 1-element tensors, not 0-dim: DataParallel gathers them without a warning
         return loss_sum.reshape(1), n_tokens.reshape(1)
+
+    def new_kv_caches(self, batch_size: int, max_len: int) -> list[KVCache]:
+        """Empty caches, one per layer, for generating up to max_len positions in all."""
+        w = self.lm_head.weight
+        return [KVCache(self.config, batch_size, max_len, w.device, w.dtype) for _ in self.base_model.layers]
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

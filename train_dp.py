@@ -78,6 +78,7 @@ def main():
     pbar = tqdm(total=total_steps, initial=step, dynamic_ncols=True)
     flops_per_token, peak = raw_model.flops_per_token(cfg.seq_len), training.peak_tflops(device, dtype)
     loader_iter, t0, steps_timed, preempted = None, time.perf_counter(), 0, False
+    first_step, started, loss, val_loss = step, t0, None, None  # for the summary at the end
     while step < last_step:
         epoch, step_in_epoch = divmod(step, steps_per_epoch)
         if loader_iter is None or step_in_epoch == 0:
@@ -131,10 +132,8 @@ def main():
 
     if step == total_steps:
         checkpointing.atomic_save(raw_model.state_dict(), out / checkpointing.MODEL)
-        print(f"done: {step} steps; weights in {out / checkpointing.MODEL}")
-    else:
-        print(f"{'stopped by a signal' if preempted else 'stopped'} after step {step} of "
-              f"{total_steps}; checkpoint saved, continue with --resume")
+    print(training.summary(cfg, step, total_steps, first_step, time.perf_counter() - started, loss, val_loss,
+                           preempted))
 
 
 if __name__ == "__main__":

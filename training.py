@@ -5,6 +5,7 @@ DDP; the two scripts hold exactly the parts that differ.
 
 import argparse
 import dataclasses
+import datetime
 import json
 import math
 import signal
@@ -16,7 +17,7 @@ import torch
 from tokenizers import Tokenizer
 
 import data
-from checkpointing import METRICS, TOKENIZER, atomic_save, is_rank0
+from checkpointing import CHECKPOINT, METRICS, MODEL, TOKENIZER, atomic_save, is_rank0
 from data import UsageError
 from model import PRESETS, LlamaConfig, LlamaForPretraining
 
@@ -84,13 +85,13 @@ RESUME_KEYS = ("dataset", "dataset_config", "split", "text_column", "val_docs", 
                "grad_clip", "seed")
 
 
-class _Parser(argparse.ArgumentParser):
+class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line, not argparse's usage block
         raise UsageError(message)
 
 
 def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConfig:
-    parser = _Parser(description=description)
+    parser = ArgumentParser(description=description)
     for f in dataclasses.fields(TrainConfig):
         meta = dict(f.metadata)
         if meta.pop("ddp_only", False) and not ddp:
@@ -337,3 +338,23 @@ class MetricsLog:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+
+
+def summary(cfg: TrainConfig, step: int, total_steps: int, first_step: int, seconds: float,
+            loss: float | None, val_loss: float | None, preempted: bool) -> str:
+    """The end-of-run report: how far, how fast, how well, and what to do next."""
+    out = Path(cfg.out_dir)
+    tokens = (step - first_step) * cfg.batch_size * cfg.seq_len
+    how = "done" if step == total_steps else "stopped by a signal" if preempted else "stopped"
+    report = [f"{how} after step {step} of {total_steps}: {tokens:,} tokens in "
+              f"{datetime.timedelta(seconds=round(seconds))}"
+              + (f" | train loss {loss:.4f}" if loss is not None else "")
+              + (f" | val loss {val_loss:.4f}" if val_loss is not None else "")]
+    if step < total_steps:
+        return "\n".join(report + [f"checkpoint saved in {out / CHECKPOINT}; continue with --resume"])
+    prompt = "def " if cfg.dataset == data.EMBEDDED_CORPUS else "The "  # the demo corpus is Python code
+    return "\n".join(report + [
+        f"weights in {out / MODEL}, with {TOKENIZER}, config.json and {METRICS} beside them",
+        f"  sample:   python generate.py {out} --prompt {prompt!r}",
+        f"  export:   python export_hf.py {out} {out}-hf",
+        f"  plot:     python plot_metrics.py {out} -o {out / 'metrics.png'}"])

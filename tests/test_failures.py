@@ -55,7 +55,8 @@ def test_preempted_ddp_ranks_agree_on_a_step_save_and_exit_0(runs, tmp_path):
     out = tmp_path / "run"
     proc = run_script("train_ddp.py", train_args(runs, out), nproc=2, wrapper="tests/inject_fault.py",
                       env=fault_env(tmp_path, "sigterm-launcher", step=3), check=False)
-    assert "stopped by a signal after step 3 of 8; checkpoint saved" in proc.stdout
+    assert "stopped by a signal after step 3 of 8: " in proc.stdout
+    assert f"checkpoint saved in {out}/checkpoint.pt; continue with --resume" in proc.stdout
     assert exit_codes(tmp_path) == {"exit-rank0": "0", "exit-rank1": "0"}
     assert checkpoint_step(out) == 3 and not (out / "model.pt").exists()
     run_script("train_ddp.py", train_args(runs, out, "--resume"), nproc=2)

@@ -135,3 +135,29 @@ def test_all_ignored_targets_give_zero_loss_not_nan(llama):
 def test_sequence_longer_than_positions_is_refused(llama):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         llama(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_kv_cache_gives_the_logits_of_a_full_forward(llama):
+    """Feeding a sequence in pieces through the KV cache (a prompt, a chunk that must see the
+    cached prefix through the mask, then one token at a time) gives every position the
+    logits of one forward over the whole sequence."""
+    x = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = llama(x)
+        caches = llama.new_kv_caches(batch_size=2, max_len=20)
+        pieces = [llama(x[:, :6], kv_caches=caches), llama(x[:, 6:10], kv_caches=caches)]
+        pieces += [llama(x[:, t:t + 1], kv_caches=caches) for t in range(10, 20)]
+    assert caches[0].length == 20
+    assert torch.allclose(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_kv_cache_refuses_positions_beyond_its_size_or_the_model(llama):
+    caches = llama.new_kv_caches(batch_size=1, max_len=4)
+    with torch.no_grad():
+        llama(torch.zeros(1, 4, dtype=torch.long), kv_caches=caches)
+        with pytest.raises(ValueError, match="KV cache holds 4 positions, 5 needed"):
+            llama(torch.zeros(1, 1, dtype=torch.long), kv_caches=caches)
+        caches = llama.new_kv_caches(batch_size=1, max_len=100)
+        llama(torch.zeros(1, 64, dtype=torch.long), kv_caches=caches)
+        with pytest.raises(ValueError, match="sequence length 65 exceeds max_position_embeddings 64"):
+            llama(torch.zeros(1, 1, dtype=torch.long), kv_caches=caches)

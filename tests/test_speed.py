@@ -99,3 +99,22 @@ def test_bench_runs_every_row_and_writes_its_table(tmp_path):
     assert list(result["ablation"])[0] == "tutorial: float mask, fp32, loss outside"
     assert all(row["steps_per_s"] > 0 for table in ("scaling", "ablation") for row in result[table].values())
     assert "ddp_world_1_vs_one_process" in result["ratios"] and "Table 2" in proc.stdout
+
+
+def test_ddp_keeps_gradients_in_its_buckets_and_sends_no_buffers_each_step():
+    """train_ddp.py's DDP_OPTIONS: gradients are views into the all-reduce buckets (no copy),
+    and the forward broadcasts no buffers (RoPE's tables are the same on every rank)."""
+    import torch.distributed as dist
+    from train_ddp import DDP, DDP_OPTIONS
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        config = LlamaConfig(vocab_size=97, max_position_embeddings=64, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
+        model = DDP(LlamaForPretraining(config), **DDP_OPTIONS)
+        x = torch.randint(0, 97, (2, 16))
+        model(x, x)[0].sum().backward()
+        assert model.gradient_as_bucket_view and not model.broadcast_buffers
+        assert all(p.grad._base is not None for p in model.parameters())  # views, not own tensors
+    finally:
+        dist.destroy_process_group()

@@ -87,7 +87,7 @@ def test_output_folder_holds_what_the_readme_promises(runs):
         "metrics.jsonl", "model.pt", "tokenizer.json"]
     assert (out / "checkpoint.pt").samefile(out / "checkpoint-00000008.pt")  # one file, two names
     # model.pt is a plain state_dict that loads strictly into a fresh model
-    model = checkpointing.load_trained(out)
+    model, _ = checkpointing.load_trained(out)
     state = torch.load(out / "model.pt", map_location="cpu", weights_only=True)
     assert not [k for k in state if k.startswith(("module.", "_orig_mod."))]
     assert model.load_state_dict(state, strict=True) is not None

@@ -1,0 +1,105 @@
+"""Export a trained model to the Hugging Face format, for the tools of the Llama ecosystem.
+
+    python export_hf.py out out-hf
+
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    model = LlamaForCausalLM.from_pretrained("out-hf")
+    tokenizer = AutoTokenizer.from_pretrained("out-hf")   # a PreTrainedTokenizerFast
+
+Our model is the Llama architecture with Llama's parameter names, so the export is a
+renaming (`base_model.` becomes `model.`) plus the files transformers reads: config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json, special_tokens_map.json and
+generation_config.json. It needs the `safetensors` package, not transformers itself.
+The folder is written next to HF_DIR and renamed into place when complete.
+"""
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, processors
+
+import checkpointing
+import training
+from data import BOT, EOT, PAD, UsageError
+from model import LlamaForPretraining
+
+
+def hf_config(model: LlamaForPretraining, tokenizer: Tokenizer) -> dict:
+    """transformers' LlamaConfig for our model."""
+    c = model.config
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+        "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        # transformers 5 reads rope_parameters, 4.x reads rope_theta: both, for both
+        "rope_theta": c.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        **special_token_ids(tokenizer), "torch_dtype": "float32",
+    }
+
+
+def special_token_ids(tokenizer: Tokenizer) -> dict:
+    return {"bos_token_id": tokenizer.token_to_id(BOT), "eos_token_id": tokenizer.token_to_id(EOT),
+            "pad_token_id": tokenizer.token_to_id(PAD)}
+
+
+def hf_state_dict(model: LlamaForPretraining) -> dict:
+    """Our parameter names with transformers' prefix; every tensor its own contiguous copy,
+    as safetensors requires."""
+    return {name.replace("base_model.", "model.", 1): t.detach().contiguous().clone()
+            for name, t in model.state_dict().items()}
+
+
+def hf_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
+    """Our tokenizer, plus a rule that starts every encoding with [BOT], as training framed
+    documents: `tokenizer(text)` in transformers then gives exactly what the model saw."""
+    hf = Tokenizer.from_str(tokenizer.to_str())
+    hf.post_processor = processors.TemplateProcessing(
+        single=f"{BOT} $A", pair=f"{BOT} $A {BOT} $B:1", special_tokens=[(BOT, tokenizer.token_to_id(BOT))])
+    return hf
+
+
+def export(out_dir: str, hf_dir: str):
+    hf = Path(hf_dir)
+    if hf.exists() and not (hf.is_dir() and not any(hf.iterdir())):
+        raise UsageError(f"{hf} already exists: choose a new folder (nothing was written)")
+    model, tokenizer = checkpointing.load_trained(out_dir)
+    tokens = {"bos_token": BOT, "eos_token": EOT, "pad_token": PAD}
+    partial = hf.with_name(f".{hf.name}.partial")  # complete, or not there at all
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    save_file(hf_state_dict(model), partial / "model.safetensors", metadata={"format": "pt"})
+    hf_tokenizer(tokenizer).save(str(partial / "tokenizer.json"))
+    files = {
+        "config.json": hf_config(model, tokenizer),
+        "generation_config.json": special_token_ids(tokenizer),  # generate() stops at [EOT]
+        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", **tokens,
+                                  "model_max_length": model.config.max_position_embeddings,
+                                  "clean_up_tokenization_spaces": False},  # decode exactly as ours does
+        "special_tokens_map.json": tokens,
+    }
+    for name, content in files.items():
+        (partial / name).write_text(json.dumps(content, indent=2) + "\n")
+    if hf.exists():
+        hf.rmdir()  # empty (checked above)
+    os.rename(partial, hf)
+    print(f"wrote {hf}: {model.num_parameters() / 1e6:.1f}M parameters; load it with "
+          f"LlamaForCausalLM.from_pretrained({str(hf)!r})")
+
+
+def main(argv=None):
+    parser = training.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", help="output folder of a training run")
+    parser.add_argument("hf_dir", help="new folder for the Hugging Face files")
+    args = parser.parse_args(argv)
+    export(args.out_dir, args.hf_dir)
+
+
+if __name__ == "__main__":
+    training.run(main)

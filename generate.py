@@ -1,0 +1,93 @@
+"""Sample text from a trained model.
+
+    python generate.py out --prompt "def main(" --max-new-tokens 200
+    python generate.py out --prompt "import os" --temperature 0      # greedy: always the same text
+
+Reads config.json, tokenizer.json and model.pt from the output folder of train_dp.py or
+train_ddp.py (or its newest checkpoint while the run is unfinished). The prompt is framed
+the way training framed documents, [BOT] + text; generation ends at [EOT] or after
+--max-new-tokens, and the text is printed without special tokens.
+
+Each step feeds only the newest token: the keys and values of every earlier position wait
+in a KV cache, so a token costs the same at position 1000 as at position 10.
+"""
+
+import argparse
+
+import torch
+
+import checkpointing
+import training
+from data import BOT, EOT, UsageError
+from model import LlamaForPretraining
+
+
+def sample_next(logits, temperature: float, top_k: int | None, generator: torch.Generator) -> int:
+    """Pick the next token from the last position's logits (V,)."""
+    if temperature == 0:
+        return int(logits.argmax())  # greedy: deterministic
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.numel():
+        kth_largest = logits.topk(top_k).values[-1]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))  # only the k likeliest remain
+    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(model: LlamaForPretraining, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, generator: torch.Generator | None = None,
+             stop_id: int | None = None) -> list[int]:
+    """Continue prompt_ids by at most max_new_tokens tokens, ending early at stop_id
+    (which is not returned). Returns only the new tokens."""
+    model.eval()
+    device = model.lm_head.weight.device
+    caches = model.new_kv_caches(batch_size=1, max_len=len(prompt_ids) + max_new_tokens)
+    x = torch.tensor([prompt_ids], device=device)  # the first forward reads the whole prompt
+    new = []
+    for _ in range(max_new_tokens):
+        logits = model(x, kv_caches=caches)[0, -1]  # (V,): what follows the last token
+        token = sample_next(logits, temperature, top_k, generator)
+        if token == stop_id:
+            break
+        new.append(token)
+        x = torch.tensor([[token]], device=device)  # from now on, one new token per forward
+    return new
+
+
+def parse_args(argv=None):
+    parser = training.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", help="output folder of a training run")
+    parser.add_argument("--prompt", default="", help="text to continue (default: none, sample from scratch)")
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="sampling temperature; 0 means greedy (always the likeliest token)")
+    parser.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens only")
+    parser.add_argument("--seed", type=int, default=1337, help="seed of the sampling (same seed, same text)")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if not args.temperature >= 0 or args.temperature == float("inf"):
+        raise UsageError(f"--temperature must be a non-negative number, got {args.temperature}")
+    if args.top_k < 1:
+        raise UsageError(f"--top-k must be at least 1, got {args.top_k}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    model, tokenizer = checkpointing.load_trained(args.out_dir)
+    prompt_ids = [tokenizer.token_to_id(BOT)] + tokenizer.encode(args.prompt, add_special_tokens=False).ids
+    room = model.config.max_position_embeddings
+    if len(prompt_ids) + args.max_new_tokens > room:
+        raise UsageError(f"the prompt ({len(prompt_ids)} tokens) plus --max-new-tokens {args.max_new_tokens} "
+                         f"exceed the model's {room} positions")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    generator = torch.Generator(device).manual_seed(args.seed)
+    new = generate(model.to(device), prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
+                   generator, stop_id=tokenizer.token_to_id(EOT))
+    # decode prompt and continuation together: a character may span the boundary
+    print(tokenizer.decode(prompt_ids + new, skip_special_tokens=True))
+
+
+if __name__ == "__main__":
+    training.run(main)

@@ -1,0 +1,237 @@
+"""What a trained run is for: sampling text (generate.py), loading it in Hugging Face
+transformers (export_hf.py), plotting its curves (plot_metrics.py), and the summary that
+ends every run."""
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+
+import checkpointing
+import export_hf
+import generate
+import plot_metrics
+import training
+from conftest import FAST, REPO, run_script
+from data import BOT, EOT, PAD, UsageError
+from model import LlamaConfig, LlamaForPretraining
+
+
+@pytest.fixture(scope="module")
+def trained(runs):
+    return runs("dp", "train_dp.py")
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=101, max_position_embeddings=64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForPretraining(config).eval()
+
+
+def greedy_without_cache(model, prompt, n):
+    """The obvious way to decode: a full forward over the whole sequence for every token."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+# ---- generation -------------------------------------------------------------------------
+
+def test_generate_returns_at_most_max_new_tokens_ids_from_the_vocabulary(small_model):
+    new = generate.generate(small_model, [1, 5, 7], max_new_tokens=12, temperature=1.0,
+                            generator=torch.Generator().manual_seed(0))
+    assert len(new) == 12 and all(isinstance(t, int) and 0 <= t < 101 for t in new)
+
+
+def test_greedy_decoding_with_the_kv_cache_equals_decoding_without_it(small_model):
+    prompt = [1, 17, 42, 9]
+    expected = greedy_without_cache(small_model, prompt, 30)
+    assert generate.generate(small_model, prompt, 30, temperature=0) == expected
+    assert generate.generate(small_model, prompt, 30, temperature=0) == expected  # deterministic
+    # top-k 1 keeps only the likeliest token: sampling becomes greedy
+    assert generate.generate(small_model, prompt, 30, temperature=1.0, top_k=1,
+                             generator=torch.Generator().manual_seed(3)) == expected
+
+
+def test_sampling_repeats_with_the_same_seed_and_varies_with_another(small_model):
+    def sample(seed):
+        return generate.generate(small_model, [1, 2, 3], 40, temperature=1.0,
+                                 generator=torch.Generator().manual_seed(seed))
+    assert sample(0) == sample(0)
+    assert sample(0) != sample(1)  # 40 draws from ~100 near-uniform choices
+
+
+def test_generation_ends_at_the_stop_token_which_is_not_returned(small_model):
+    prompt = [1, 17, 42, 9]
+    expected = greedy_without_cache(small_model, prompt, 10)
+    stop = expected[4]
+    assert generate.generate(small_model, prompt, 10, stop_id=stop) == expected[:expected.index(stop)]
+
+
+def test_generate_script_samples_text_without_special_tokens(trained):
+    args = [str(trained), "--prompt", "the model", "--max-new-tokens", "24"]
+    greedy = run_script("generate.py", [*args, "--temperature", "0"])
+    assert greedy.stdout.startswith("the model") and len(greedy.stdout) > len("the model\n")
+    assert not any(token in greedy.stdout for token in (PAD, BOT, EOT))
+    assert run_script("generate.py", [*args, "--temperature", "0"]).stdout == greedy.stdout
+    sampled = run_script("generate.py", [*args, "--seed", "5"])
+    assert run_script("generate.py", [*args, "--seed", "5"]).stdout == sampled.stdout
+
+
+def test_generate_script_equals_the_generate_function(trained):
+    model, tokenizer = checkpointing.load_trained(trained)
+    prompt = [tokenizer.token_to_id(BOT)] + tokenizer.encode("gradients flow", add_special_tokens=False).ids
+    new = generate.generate(model, prompt, 16, temperature=0, stop_id=tokenizer.token_to_id(EOT))
+    proc = run_script("generate.py", [str(trained), "--prompt", "gradients flow", "--max-new-tokens", "16",
+                                      "--temperature", "0"])
+    assert proc.stdout == tokenizer.decode(prompt + new, skip_special_tokens=True) + "\n"
+
+
+def test_an_unfinished_run_samples_from_its_newest_checkpoint_and_says_so(trained, tmp_path):
+    out = tmp_path / "unfinished"
+    shutil.copytree(trained, out)
+    (out / "model.pt").unlink()
+    proc = run_script("generate.py", [str(out), "--max-new-tokens", "4"])
+    assert proc.stderr.strip() == (f"warning: no model.pt in {out} (the run has not finished): "
+                                   "using checkpoint.pt, step 8")
+    assert proc.stdout.strip()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["{out}", "--temperature", "-1"], "--temperature must be a non-negative number, got -1.0"),
+    (["{out}", "--temperature", "nan"], "--temperature must be a non-negative number, got nan"),
+    (["{out}", "--top-k", "0"], "--top-k must be at least 1, got 0"),
+    (["{out}", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+    (["{out}", "--max-new-tokens", "1024"], "plus --max-new-tokens 1024 exceed the model's 1024 positions"),
+    (["{missing}"], "is not an output folder of train_dp.py/train_ddp.py (no config.json)"),
+    (["{no_weights}"], "holds no model.pt and no checkpoint: nothing trained yet"),
+])
+def test_generate_refuses_bad_input(trained, tmp_path, argv, message):
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(trained / "config.json", no_weights)
+    fill = {"{out}": str(trained), "{missing}": str(tmp_path / "missing"), "{no_weights}": str(no_weights)}
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        generate.main([fill.get(a, a) for a in argv])
+
+
+def test_bad_input_to_the_tools_is_one_line_on_stderr(tmp_path):
+    for script, args in [("generate.py", [str(tmp_path)]), ("export_hf.py", [str(tmp_path), str(tmp_path / "hf")]),
+                         ("plot_metrics.py", [str(tmp_path), "-o", str(tmp_path / "p.png")])]:
+        proc = run_script(script, args, check=False)
+        assert proc.returncode == 2 and proc.stdout == "", script
+        assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("error: "), proc.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+# ---- Hugging Face export ------------------------------------------------------------------
+
+def test_export_writes_the_files_transformers_reads(trained, tmp_path):
+    hf = tmp_path / "hf"
+    export_hf.main([str(trained), str(hf)])
+    assert sorted(p.name for p in hf.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+        "tokenizer.json", "tokenizer_config.json"]
+    config = json.loads((hf / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_key_value_heads"] == 2
+    from safetensors.torch import load_file
+    weights = load_file(hf / "model.safetensors")
+    ours = torch.load(trained / "model.pt", map_location="cpu", weights_only=True)
+    assert weights.keys() == {k.replace("base_model.", "model.") for k in ours}
+    assert all(torch.equal(weights[k.replace("base_model.", "model.")], v) for k, v in ours.items())
+    assert not list(tmp_path.glob(".*partial"))  # written beside, then renamed into place
+
+
+def test_export_never_overwrites_a_folder_that_holds_files(trained, tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match="already exists: choose a new folder"):
+        export_hf.main([str(trained), str(hf)])
+    assert [p.name for p in hf.iterdir()] == ["notes.txt"] and (hf / "notes.txt").read_text() == "mine"
+
+
+def test_transformers_loads_the_export_with_our_logits_tokens_and_greedy_text(trained, tmp_path):
+    transformers = pytest.importorskip("transformers")  # in requirements-dev.txt: CI runs this
+    hf = tmp_path / "hf"
+    export_hf.main([str(trained), str(hf)])
+    theirs = transformers.LlamaForCausalLM.from_pretrained(hf).eval()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
+    assert isinstance(hf_tokenizer, transformers.PreTrainedTokenizerFast)
+    ours, tokenizer = checkpointing.load_trained(trained)
+
+    ids = torch.randint(0, ours.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (ours(ids) - theirs(ids).logits).abs().max().item()
+    print(f"max |logit difference| ours vs transformers: {diff:.3g}")
+    assert diff < 1e-4
+
+    # the tokenizer frames text as training did: [BOT] first, then our ids
+    text = "the model reads tokens"
+    prompt = hf_tokenizer(text)["input_ids"]
+    assert prompt == [tokenizer.token_to_id(BOT)] + tokenizer.encode(text, add_special_tokens=False).ids
+    # greedy generation in transformers (stopping at [EOT] from generation_config.json) = ours
+    new = generate.generate(ours, prompt, 20, temperature=0, stop_id=tokenizer.token_to_id(EOT))
+    with torch.no_grad():
+        out = theirs.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)
+    assert out[0, len(prompt):].tolist() in (new, new + [tokenizer.token_to_id(EOT)])
+    assert hf_tokenizer.decode(out[0], skip_special_tokens=True) == tokenizer.decode(
+        prompt + new, skip_special_tokens=True)
+
+
+# ---- loss plots -----------------------------------------------------------------------------
+
+def test_plot_overlays_several_runs_into_one_png(trained, runs, tmp_path):
+    pytest.importorskip("matplotlib")  # optional for users; in requirements-dev.txt: CI runs this
+    other = runs("dp_accum2", "train_dp.py", ["--grad-accum", "2"])
+    png = tmp_path / "curves.png"
+    plot_metrics.main([str(trained), str(other), "-o", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_plot_draws_every_logged_point(trained):
+    rows = plot_metrics.read_metrics(trained)
+    assert plot_metrics.series(rows, "loss")[0] == [2, 4, 6, 8]  # --log-every 2
+    assert plot_metrics.series(rows, "val_loss")[0] == [4, 8]  # --eval-every 4
+    assert len(plot_metrics.series(rows, "tokens_per_s")[1]) == 4
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(trained, tmp_path):
+    code = ("import sys, runpy; sys.modules['matplotlib'] = None; "  # as if it were not installed
+            f"sys.argv = ['plot_metrics.py', {str(trained)!r}, '-o', {str(tmp_path / 'p.png')!r}]; "
+            "runpy.run_path('plot_metrics.py', run_name='__main__')")
+    import subprocess
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr == "error: plot_metrics.py needs matplotlib: pip install matplotlib\n"
+    assert not (tmp_path / "p.png").exists()
+
+
+# ---- the summary at the end of a run --------------------------------------------------------
+
+def test_a_finished_run_ends_with_a_summary_of_steps_tokens_losses_and_files(corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = run_script("train_dp.py", ["--dataset", str(corpus), *FAST, "--out-dir", str(out)])
+    summary = proc.stdout[proc.stdout.index("done after step 8 of 8"):].splitlines()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    loss, val_loss = rows[-2]["loss"], rows[-1]["val_loss"]  # step 8: train row, then eval row
+    assert summary[0].startswith("done after step 8 of 8: 2,048 tokens in 0:00:")  # 8 steps x 8 x 32
+    assert summary[0].endswith(f" | train loss {loss:.4f} | val loss {val_loss:.4f}")
+    assert summary[1] == f"weights in {out}/model.pt, with tokenizer.json, config.json and metrics.jsonl beside them"
+    assert summary[2:] == [f"  sample:   python generate.py {out} --prompt 'The '",
+                           f"  export:   python export_hf.py {out} {out}-hf",
+                           f"  plot:     python plot_metrics.py {out} -o {out}/metrics.png"]
+
+
+def test_the_summary_counts_only_the_steps_of_this_session():
+    cfg = training.TrainConfig(out_dir="out", batch_size=64, seq_len=512)
+    text = training.summary(cfg, step=3000, total_steps=10000, first_step=1000, seconds=3725.4,
+                            loss=3.25, val_loss=None, preempted=True)
+    assert text.splitlines() == [
+        "stopped by a signal after step 3000 of 10000: 65,536,000 tokens in 1:02:05 | train loss 3.2500",
+        "checkpoint saved in out/checkpoint.pt; continue with --resume"]
