@@ -19,7 +19,7 @@ import os
 import shutil
 from pathlib import Path
 
-from safetensors.torch import save_file
+from safetensors.torch import save
 from tokenizers import Tokenizer, processors
 
 import checkpointing
@@ -74,7 +74,7 @@ def export(out_dir: str, hf_dir: str):
     partial = hf.with_name(f".{hf.name}.partial")  # complete, or not there at all
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    save_file(hf_state_dict(model), partial / "model.safetensors", metadata={"format": "pt"})
+    (partial / "model.safetensors").write_bytes(save(hf_state_dict(model), metadata={"format": "pt"}))
     hf_tokenizer(tokenizer).save(str(partial / "tokenizer.json"))
     files = {
         "config.json": hf_config(model, tokenizer),
