@@ -81,9 +81,13 @@ def float_mask(x):
 
 # ---- one timed run --------------------------------------------------------------------------
 
+def model_config(args) -> LlamaConfig:
+    return LlamaConfig(vocab_size=VOCAB[args.model], **PRESETS[args.model])
+
+
 def build(args, device, compile_model):
     torch.manual_seed(0)
-    model = LlamaForPretraining(LlamaConfig(vocab_size=VOCAB[args.model], **PRESETS[args.model])).to(device)
+    model = LlamaForPretraining(model_config(args)).to(device)
     if compile_model:
         model.compile()
     return model
@@ -238,7 +242,7 @@ def main():
     for key, value in ratios.items():
         print(f"  {key:<70}{value:6.2f}x")
     with torch.device("meta"):  # the parameter shapes, without allocating the weights
-        shapes_only = LlamaForPretraining(LlamaConfig(vocab_size=VOCAB[args.model], **PRESETS[args.model]))
+        shapes_only = LlamaForPretraining(model_config(args))
     flops = shapes_only.flops_per_token(args.seq_len)
     peak = training.peak_tflops(device, dtype)
     best = max(row["steps_per_s"] for _, row in ablation)

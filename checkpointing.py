@@ -79,13 +79,18 @@ def load_latest_checkpoint(out: Path) -> dict:
     raise UsageError(failures[0])
 
 
-def load_checkpoint(path) -> dict:
+def load_pt(path, what: str):
+    """Read any .pt file of a run. weights_only: tensors and plain containers only, so a
+    crafted file cannot run code; map_location: every rank loads onto the CPU instead of
+    all onto GPU 0. A file that cannot be read is one UsageError line."""
     try:
-        # weights_only: tensors and plain containers only, so a crafted file cannot run code;
-        # map_location: every rank loads onto the CPU instead of all onto GPU 0.
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise UsageError(f"cannot load checkpoint {path}: {first_line(e)}") from None
+        raise UsageError(f"cannot load {what} {path}: {first_line(e)}") from None
+
+
+def load_checkpoint(path) -> dict:
+    ckpt = load_pt(path, "checkpoint")
     keys = {"model", "optimizer", "scheduler", "step", "model_config", "train_config"}
     if not isinstance(ckpt, dict) or not keys <= ckpt.keys():
         raise UsageError(f"{path} is not a checkpoint of this trainer")
@@ -223,14 +228,11 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
     except (ValueError, TypeError) as e:
         raise UsageError(f"cannot read {out / CONFIG}: {first_line(e)}") from None
     if (out / MODEL).is_file():
-        try:
-            state = torch.load(out / MODEL, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise UsageError(f"cannot load {out / MODEL}: {first_line(e)}") from None
+        state = load_pt(out / MODEL, "weights")
     else:
-        ckpt = load_latest_checkpoint(out) if any(out.glob("checkpoint*.pt")) else None
-        if ckpt is None:
+        if not any(out.glob("checkpoint*.pt")):
             raise UsageError(f"{out} holds no {MODEL} and no checkpoint: nothing trained yet")
+        ckpt = load_latest_checkpoint(out)
         warn(f"no {MODEL} in {out} (the run has not finished): using {Path(ckpt['path']).name}, "
              f"step {ckpt['step']}")
         state = ckpt["model"]

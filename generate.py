@@ -13,6 +13,7 @@ in a KV cache, so a token costs the same at position 1000 as at position 10.
 """
 
 import argparse
+import math
 
 import torch
 
@@ -66,7 +67,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if not args.temperature >= 0 or args.temperature == float("inf"):
+    if not math.isfinite(args.temperature) or args.temperature < 0:
         raise UsageError(f"--temperature must be a non-negative number, got {args.temperature}")
     if args.top_k < 1:
         raise UsageError(f"--top-k must be at least 1, got {args.top_k}")

@@ -17,9 +17,10 @@ import torch
 from tokenizers import Tokenizer
 
 import data
-from checkpointing import CHECKPOINT, METRICS, MODEL, TOKENIZER, atomic_save, is_rank0
+from checkpointing import CHECKPOINT, CONFIG, METRICS, MODEL, TOKENIZER, atomic_save, is_rank0
 from data import UsageError
 from model import PRESETS, LlamaConfig, LlamaForPretraining
+
 
 def flag(default, help, **kwargs):
     return field(default=default, metadata={"help": help, **kwargs})
@@ -354,7 +355,7 @@ def summary(cfg: TrainConfig, step: int, total_steps: int, first_step: int, seco
         return "\n".join(report + [f"checkpoint saved in {out / CHECKPOINT}; continue with --resume"])
     prompt = "def " if cfg.dataset == data.EMBEDDED_CORPUS else "The "  # the demo corpus is Python code
     return "\n".join(report + [
-        f"weights in {out / MODEL}, with {TOKENIZER}, config.json and {METRICS} beside them",
+        f"weights in {out / MODEL}, with {TOKENIZER}, {CONFIG} and {METRICS} beside them",
         f"  sample:   python generate.py {out} --prompt {prompt!r}",
         f"  export:   python export_hf.py {out} {out}-hf",
         f"  plot:     python plot_metrics.py {out} -o {out / 'metrics.png'}"])

@@ -3,7 +3,9 @@ transformers (export_hf.py), plotting its curves (plot_metrics.py), and the summ
 ends every run."""
 
 import json
+import re
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -117,7 +119,7 @@ def test_generate_refuses_bad_input(trained, tmp_path, argv, message):
     no_weights.mkdir()
     shutil.copy(trained / "config.json", no_weights)
     fill = {"{out}": str(trained), "{missing}": str(tmp_path / "missing"), "{no_weights}": str(no_weights)}
-    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(UsageError, match=re.escape(message)):
         generate.main([fill.get(a, a) for a in argv])
 
 
@@ -206,7 +208,6 @@ def test_plot_without_matplotlib_says_how_to_get_it(trained, tmp_path):
     code = ("import sys, runpy; sys.modules['matplotlib'] = None; "  # as if it were not installed
             f"sys.argv = ['plot_metrics.py', {str(trained)!r}, '-o', {str(tmp_path / 'p.png')!r}]; "
             "runpy.run_path('plot_metrics.py', run_name='__main__')")
-    import subprocess
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr == "error: plot_metrics.py needs matplotlib: pip install matplotlib\n"
     assert not (tmp_path / "p.png").exists()
