@@ -68,7 +68,7 @@ _sdpa = F.scaled_dot_product_attention
 _mask = {}
 
 
-def _sdpa_with_float_mask(q, k, v, is_causal, enable_gqa):
+def _sdpa_with_float_mask(q, k, v, is_causal=False, enable_gqa=False):
     return _sdpa(q, k, v, attn_mask=_mask["mask"], enable_gqa=enable_gqa)
 
 
@@ -85,31 +85,30 @@ def model_config(args) -> LlamaConfig:
     return LlamaConfig(vocab_size=VOCAB[args.model], **PRESETS[args.model])
 
 
-def build(args, device, compile_model):
+def build(args, device, dtype, compile_model=False):
     torch.manual_seed(0)
     model = LlamaForPretraining(model_config(args)).to(device)
+    model.compute_dtype = dtype  # as training.build_model sets it: the model applies autocast itself
     if compile_model:
         model.compile()
     return model
 
 
-def time_steps(args, model, batches, device, dtype, mask=False, loss_inside=True, ddp_world=None):
+def time_steps(args, model, batches, device, mask=False, loss_inside=True):
     """Run warm-up plus timed optimizer steps; return steps/s and peak memory."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    amp = training.autocast(dtype, device)
     F.scaled_dot_product_attention = _sdpa_with_float_mask if mask else _sdpa
 
     def step(x, y):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if mask:
             _mask["mask"] = float_mask(x)
-        with amp:
-            if loss_inside:
-                loss_sum, n = model(x, y)
-                loss = loss_sum.sum() / n.sum()
-            else:  # logits out of the model, then the loss
-                logits = model(x)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
+        if loss_inside:
+            loss_sum, n = model(x, y)
+            loss = loss_sum.sum() / n.sum()
+        else:  # logits out of the model, then the loss
+            logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -154,10 +153,10 @@ def ddp_worker(rank, world_size, port, args, dtype, results):
     else:
         torch.set_num_threads(max(1, os.cpu_count() // world_size))  # the cores are shared
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
-    model = nn.parallel.DistributedDataParallel(build(args, device, args.compile), device_ids=[rank] if cuda else None,
+    model = nn.parallel.DistributedDataParallel(build(args, device, dtype), device_ids=[rank] if cuda else None,
                                                 **DDP_OPTIONS)  # as train_ddp.py builds it
     shard = [(x[rank::world_size], y[rank::world_size]) for x, y in synthetic_batches(args)]
-    row = time_steps(args, model, shard, device, dtype)
+    row = time_steps(args, model, shard, device)
     memory = [None] * world_size
     dist.all_gather_object(memory, row["peak_mem_gb"])
     if rank == 0:
@@ -172,10 +171,12 @@ def free_port():
 
 
 def scaling_table(args, device, dtype, batches):
-    rows = [("one process", time_steps(args, build(args, device, args.compile), batches, device, dtype))]
+    """Every row eager and in the same dtype: DataParallel cannot run a compiled model, so
+    the comparison leaves compile out for all (Table 2 measures what compile adds)."""
+    rows = [("one process", time_steps(args, build(args, device, dtype), batches, device))]
     if torch.cuda.device_count() > 1:  # DataParallel has nothing to split on a CPU or one GPU
-        dp = nn.DataParallel(build(args, device, compile_model=False))
-        row = time_steps(args, dp, batches, device, dtype)
+        dp = nn.DataParallel(build(args, device, dtype))
+        row = time_steps(args, dp, batches, device)
         row["peak_mem_gb"] = [torch.cuda.max_memory_allocated(i) / 2**30 for i in range(torch.cuda.device_count())]
         rows.append(("DataParallel", row))
     for world_size in range(1, args.max_world_size + 1):
@@ -204,8 +205,8 @@ def ablation_table(args, device, dtype, batches):
         variants.append(("ours, --dtype bf16 --compile", False, True, bf16, True))
     rows = []
     for name, mask, loss_inside, variant_dtype, compile_model in variants:
-        model = build(args, device, compile_model)
-        rows.append((name, time_steps(args, model, batches, device, variant_dtype, mask, loss_inside)))
+        model = build(args, device, variant_dtype, compile_model)
+        rows.append((name, time_steps(args, model, batches, device, mask, loss_inside)))
     return rows
 
 
@@ -230,7 +231,8 @@ def main():
           f"per step | --dtype auto = {dtype} | {args.warmup} warm-up + {args.steps} timed steps per row")
     batches = synthetic_batches(args)
     scaling = scaling_table(args, device, dtype, batches)
-    print_table("Table 1: one process, DataParallel, DDP (same global batch)", scaling, args)
+    print_table(f"Table 1: one process, DataParallel, DDP (same global batch; every row eager, {str(dtype)[6:]})",
+                scaling, args)
     ablation = ablation_table(args, device, dtype, batches)
     print_table("Table 2: the tutorial's formulation, then our changes one at a time", ablation, args)
 

@@ -8,8 +8,10 @@ result on disk: later epochs, later runs and the other ranks of a DDP job read t
 
 import contextlib
 import itertools
+import json
 import logging
 import os
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,17 +217,91 @@ def load_tokenizer(path: str) -> Tokenizer:
     return tokenizer
 
 
-def _encode(batch, tokenizer: Tokenizer, max_len: int):
+def clip_is_exact(tokenizer: Tokenizer) -> bool:
+    """Whether cutting a text just before a whitespace character that follows a
+    non-whitespace one leaves every token before the cut as it was. True for byte-level BPE
+    tokenizers like ours and GPT-2's: their pre-tokenizer puts whitespace only at the start
+    of a piece, so such a cut falls between two pieces, and BPE encodes each piece on its own.
+    Anything that could look across the cut (a normalizer, BPE dropout, a special token with
+    whitespace in it or stripping around it) rules it out."""
+    spec = json.loads(tokenizer.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    return (spec.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+            and spec["model"]["type"] == "BPE" and spec["model"].get("dropout") is None
+            and not any(re.search(r"\s", t["content"]) or t.get("lstrip") or t.get("rstrip")
+                        for t in spec["added_tokens"]))
+
+
+# A space, tab or newline right after a non-whitespace character. (Only these four: Python's
+# \s also matches a few control characters that the tokenizer's own regex does not.)
+_CUT = re.compile(r"(?<=\S)[ \t\n\r]")
+
+
+def clip_text(text: str, chars: int) -> str:
+    """The text up to the first safe cut (see clip_is_exact) at or after `chars` characters."""
+    if len(text) <= chars:
+        return text
+    cut = _CUT.search(text, chars)
+    return text[:cut.start()] if cut else text
+
+
+def clip_chars(texts: list[str], tokenizer: Tokenizer, max_len: int) -> int | None:
+    """How much of a document to encode: enough characters for max_len tokens with room to
+    spare, judged from how many characters a token takes in a sample of the corpus (the
+    same sample on every rank, so every rank finds the same `datasets` cache). None: encode
+    documents whole, because cutting could change a token."""
+    if not clip_is_exact(tokenizer):
+        return None
+    sample = [t[:20_000] for t in texts]
+    tokens = sum(len(e.ids) for e in tokenizer.encode_batch(sample, add_special_tokens=False))
+    return int(1.3 * max_len * sum(map(len, sample)) / max(1, tokens)) + 100
+
+
+def _encode(batch, tokenizer: Tokenizer, max_len: int, clip_at: int | None):
+    """Frame and clip a batch of documents: [BOT] + ids + [EOT], at most max_len tokens."""
     bot, eot = tokenizer.token_to_id(BOT), tokenizer.token_to_id(EOT)
-    encodings = tokenizer.encode_batch(batch["text"], add_special_tokens=False)
-    return {"input_ids": [([bot] + e.ids + [eot])[:max_len] for e in encodings]}
+    texts = batch["text"]
+    # Encode only the first clip_at characters (and a little more, up to a safe cut) of each
+    # document: the model sees at most max_len - 1 of its tokens, and encoding the rest of a
+    # long document is wasted time (and, for a huge one, memory).
+    clipped = [clip_text(t, clip_at) for t in texts] if clip_at else texts
+    ids = [e.ids for e in tokenizer.encode_batch_fast(clipped, add_special_tokens=False)]
+    # A clipped document that gave fewer tokens than the model sees is encoded again, whole.
+    again = [i for i, (t, x) in enumerate(zip(clipped, ids)) if len(x) < max_len - 1 and len(t) < len(texts[i])]
+    for i, e in zip(again, tokenizer.encode_batch_fast([texts[i] for i in again], add_special_tokens=False)):
+        ids[i] = e.ids
+    return {"input_ids": [[bot, *x[:max_len - 1], eot][:max_len] for x in ids]}
 
 
 def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int) -> datasets.Dataset:
-    """Frame and clip every document once; `datasets` caches the result on disk."""
-    return texts.map(_encode, batched=True, remove_columns=["text"],
-                     fn_kwargs={"tokenizer": tokenizer, "max_len": seq_len + 1},
-                     desc="tokenizing")
+    """Frame and clip every document once; `datasets` caches the result on disk. Large
+    corpora are split over one process per core, each encoding with one thread."""
+    max_len = seq_len + 1
+    clip_at = clip_chars(texts.select(range(min(200, len(texts))))["text"], tokenizer, max_len)
+    num_proc = min(len(os.sched_getaffinity(0)), len(texts) // 5000) if hasattr(os, "sched_getaffinity") else 1
+    with _tokenizer_threads(1 if num_proc > 1 else None):
+        return texts.map(_encode, batched=True, remove_columns=["text"], num_proc=num_proc if num_proc > 1 else None,
+                         fn_kwargs={"tokenizer": tokenizer, "max_len": max_len, "clip_at": clip_at},
+                         desc="tokenizing")
+
+
+@contextlib.contextmanager
+def _tokenizer_threads(threads: int | None):
+    """With one process per core, each process's tokenizer uses one thread. Setting
+    TOKENIZERS_PARALLELISM before `datasets` forks the processes also keeps `tokenizers`
+    from warning that it was forked after using its threads (to train the BPE)."""
+    if threads is None:
+        yield
+        return
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
 # ---------------------------------------------------------------------------------------

@@ -136,13 +136,20 @@ class LlamaAttention(nn.Module):
         # Pad positions do attend to garbage, but their targets are ignored by the loss.
         # Without a materialized mask SDPA can use its flash/efficient kernels and stores
         # no (B, 1, T, T) tensor. enable_gqa lets K key/value heads serve H query heads.
-        if kv_cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:  # generation: the T new queries also see every cached position before them
+        if kv_cache is not None:  # generation: the T new queries also see every cached position before them
             start = kv_cache.length
             k, v = kv_cache.append(k, v)  # (B, K, start + T, D)
             mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        elif q.is_cuda and q.dtype == torch.float32:
+            # On CUDA only the flash kernel takes enable_gqa, and only in bf16/fp16: in fp32 SDPA
+            # would fall back to the math kernel, which stores the (B, H, T, T) scores. With each
+            # key/value head repeated for its query heads, the memory-efficient kernel runs.
+            k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # (B, H, T, D)
+            v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(y)
 
@@ -195,6 +202,10 @@ class LlamaForPretraining(nn.Module):
         self.config = config
         self.base_model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)  # untied
+        # The dtype matmuls run in (autocast); weights stay fp32. The model applies it itself,
+        # not the caller: nn.DataParallel runs each replica in a thread of its own, and
+        # autocast settings are per thread (a replica thread's default on CUDA is fp16).
+        self.compute_dtype = torch.float32
         self.apply(self._init_weights)
 
     @staticmethod
@@ -220,7 +231,9 @@ class LlamaForPretraining(nn.Module):
         if end > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {end} exceeds max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
-        logits = self.lm_head(self.base_model(input_ids, kv_caches))
+        device = input_ids.device.type
+        with torch.autocast(device, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+            logits = self.lm_head(self.base_model(input_ids, kv_caches))
         if targets is None:
             return logits
         loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 import checkpointing
 import training
-from data import ResumableDistributedSampler, UsageError
+from data import ResumableDistributedSampler, UsageError, first_line
 from model import IGNORE_INDEX
 
 # How DDP is built, for speed:
@@ -41,25 +41,37 @@ DDP_OPTIONS = dict(gradient_as_bucket_view=True,
                       else {"broadcast_buffers": False}))
 
 
-def on_all_ranks(fn, first: bool = True):
+def on_all_ranks(fn, group, first: bool = True):
     """Run fn on the ranks where `first` is true, then on the rest. With first=local_rank == 0,
     each node's local rank 0 downloads and tokenizes while the others wait, then they
     read what `datasets` cached instead of racing to write the same files. A UsageError
-    on any rank is raised on every rank: all exit with its message, none hangs."""
-    result, error = None, None
-    if first:
-        try:
-            result = fn()
-        except UsageError as e:
-            error = str(e)
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)  # doubles as the barrier between the two turns
-    if any(errors):
-        raise UsageError(next(e for e in errors if e))
-    return result if first else fn()
+    on any rank, in either turn, is raised on every rank: all exit with its message, none hangs."""
+    result = None
+    for my_turn in (first, not first):
+        error = None
+        if my_turn:
+            try:
+                result = fn()
+            except UsageError as e:
+                error = str(e)
+        errors = [None] * dist.get_world_size()
+        waiting_for_data(dist.all_gather_object, errors, error, group=group)  # also the barrier after each turn
+        if any(errors):
+            raise UsageError(next(e for e in errors if e))
+    return result
 
 
-def from_rank0(fn):
+def waiting_for_data(collective, *args, group):
+    """A collective of data preparation. Waiting longer than --data-timeout-minutes, or for a
+    rank that died, ends this rank with one line instead of gloo's traceback."""
+    try:
+        collective(*args, group=group)
+    except RuntimeError as e:
+        raise training.RankError(f"rank {dist.get_rank()} stopped waiting for data preparation "
+                                 f"(--data-timeout-minutes): {first_line(e)}") from None
+
+
+def from_rank0(fn, group):
     """Run fn on rank 0 only and give every rank its (picklable) result, or its UsageError."""
     box = [None]
     if dist.get_rank() == 0:
@@ -67,11 +79,22 @@ def from_rank0(fn):
             box = [(fn(), None)]
         except UsageError as e:
             box = [(None, str(e))]
-    dist.broadcast_object_list(box)
+    waiting_for_data(dist.broadcast_object_list, box, group=group)
     result, error = box[0]
     if error:
         raise UsageError(error)
     return result
+
+
+def side_groups(cfg, backend: str, timeout: datetime.timedelta):
+    """Two small gloo groups beside the main one. `prep` carries the turns of data preparation:
+    on a cold cache local rank 0 may download and tokenize for hours while the others wait,
+    far longer than a training collective should ever take. `control` (NCCL only) carries the
+    per-step stop flag, which under NCCL would need a GPU tensor whose read-back stalls the
+    host; it waits as long as the training collectives do."""
+    prep = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=cfg.data_timeout_minutes))
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
+    return prep, control
 
 
 def main():
@@ -88,7 +111,7 @@ def main():
         torch.cuda.set_device(device)  # before init, else every rank opens a context on GPU 0
     else:
         device = torch.device("cpu")
-    dtype = training.compute_dtype(cfg.dtype, device)
+    dtype = training.compute_dtype(cfg.dtype, device)  # matmuls in dtype; weights and loss stay fp32
     backend = cfg.backend or ("nccl" if device.type == "cuda" else "gloo")
     timeout = datetime.timedelta(minutes=cfg.timeout_minutes)  # how long a collective may wait
     if "RANK" in os.environ:  # MASTER_ADDR/PORT, RANK and WORLD_SIZE come from torchrun
@@ -101,29 +124,26 @@ def main():
         store = dist.HashStore()  # a world of one
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
-        train(cfg, rank, local_rank, world_size, micro_batch, device, dtype)
+        prep, control = side_groups(cfg, backend, timeout)
+        train(cfg, rank, local_rank, world_size, micro_batch, device, dtype, prep, control)
     finally:
         dist.destroy_process_group()  # on every exit path, errors included
 
 
-def train(cfg, rank, local_rank, world_size, micro_batch, device, dtype):
-    amp = training.autocast(dtype, device)  # matmuls in dtype; weights and loss stay fp32
-    # Small control messages (the stop flag) go over gloo on the CPU: under NCCL they would
-    # need a GPU tensor, and reading it back would stall the host on every step.
-    control = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
+def train(cfg, rank, local_rank, world_size, micro_batch, device, dtype, prep, control):
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
-    ckpt = on_all_ranks(lambda: checkpointing.check_out_dir(cfg.out_dir, cfg.resume))  # refuses to overwrite a run; loads it on --resume
-    train_text, val_text = on_all_ranks(lambda: training.load_text(cfg), first=local_rank == 0)
+    ckpt = on_all_ranks(lambda: checkpointing.check_out_dir(cfg.out_dir, cfg.resume), prep)  # refuses to overwrite a run; loads it on --resume
+    train_text, val_text = on_all_ranks(lambda: training.load_text(cfg), prep, first=local_rank == 0)
     # one tokenizer for the whole job: rank 0 trains (or loads) it and sends it to all
     tokenizer = Tokenizer.from_str(from_rank0(
-        lambda: training.get_tokenizer(cfg, train_text, resuming=ckpt is not None).to_str()))
+        lambda: training.get_tokenizer(cfg, train_text, resuming=ckpt is not None).to_str(), prep))
     train_ds, val_ds = on_all_ranks(lambda: training.make_datasets(cfg, tokenizer, train_text, val_text),
-                                    first=local_rank == 0)
+                                    prep, first=local_rank == 0)
     steps_per_epoch = len(train_ds) // cfg.batch_size  # full global batches only
     total_steps = training.total_steps(cfg, steps_per_epoch)
 
     # ---- model and optimizer ----
-    raw_model = training.build_model(cfg, tokenizer.get_vocab_size()).to(device)
+    raw_model = training.build_model(cfg, tokenizer.get_vocab_size(), dtype).to(device)
     if cfg.compile:
         raw_model.compile()  # in place: the state_dict keeps its keys (no `_orig_mod.` prefix)
     optimizer, scheduler = training.make_optimizer(raw_model, cfg, total_steps)
@@ -159,7 +179,8 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device, dtype):
     last_step = min(total_steps, cfg.stop_at_step or total_steps)
     train_totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, targets] since last log
     pbar = tqdm(total=total_steps, initial=step, dynamic_ncols=True, disable=rank != 0)
-    flops_per_token, peak = raw_model.flops_per_token(cfg.seq_len), training.peak_tflops(device, dtype)
+    flops_per_token = raw_model.flops_per_token(cfg.seq_len)
+    peak = training.peak_tflops(device, dtype, n_devices=world_size)  # for MFU
     loader_iter, t0, steps_timed, preempted = None, time.perf_counter(), 0, False
     first_step, started, loss, val_loss = step, t0, None, None  # for the summary at the end
     while step < last_step:
@@ -178,8 +199,7 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device, dtype):
             # Only the last micro-step all-reduces gradients; the others accumulate locally.
             # no_sync must wrap forward too, not just backward, or DDP syncs anyway.
             with model.no_sync() if i < cfg.grad_accum - 1 else contextlib.nullcontext():
-                with amp:
-                    loss_sum = model(x, y)[0].sum()
+                loss_sum = model(x, y)[0].sum()
                 # DDP averages gradients over ranks; times world_size makes that a sum, so
                 # every token in the global step weighs the same, as in one process.
                 (loss_sum * world_size / n_tokens).backward()
@@ -204,7 +224,7 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device, dtype):
             dist.all_reduce(train_totals[:1])  # loss sums of every rank (the counts are global already)
             loss = (train_totals[0] / train_totals[1]).item()  # token-weighted mean since last log
             speed = training.throughput(time.perf_counter() - t0, steps_timed, cfg, train_totals[1].item(),
-                                        flops_per_token, peak, world_size)
+                                        flops_per_token, peak)
             metrics.write(step=step, epoch=epoch, loss=loss, lr=lr, **speed)
             pbar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{speed['tokens_per_s']:,.0f}",
                              tflops=f"{speed['tflops']:.3g}", **({"mfu": f"{speed['mfu']:.1%}"} if peak else {}))
@@ -218,7 +238,7 @@ def train(cfg, rank, local_rank, world_size, micro_batch, device, dtype):
         if preempted:
             break
         if step % cfg.eval_every == 0 or step == last_step:
-            totals = training.evaluate(raw_model, val_loader, device, amp)  # the plain module: no DDP hooks
+            totals = training.evaluate(raw_model, val_loader, device)  # the plain module: no DDP hooks
             dist.all_reduce(totals)  # [loss sum, targets] over every rank's shard
             val_loss = (totals[0] / totals[1]).item()
             metrics.write(step=step, epoch=epoch, val_loss=val_loss)

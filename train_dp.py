@@ -32,8 +32,7 @@ def main():
     micro_batch = training.check_batch(cfg, world_size)
     if cfg.compile and torch.cuda.device_count() > 1:
         raise UsageError("--compile does not work under nn.DataParallel: use train_ddp.py")
-    dtype = training.compute_dtype(cfg.dtype, device)
-    amp = training.autocast(dtype, device)  # matmuls in dtype; weights and loss stay fp32
+    dtype = training.compute_dtype(cfg.dtype, device)  # matmuls in dtype; weights and loss stay fp32
 
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
     ckpt = checkpointing.check_out_dir(cfg.out_dir, cfg.resume)  # refuses to overwrite a run; loads it on --resume
@@ -44,7 +43,7 @@ def main():
     total_steps = training.total_steps(cfg, steps_per_epoch)
 
     # ---- model and optimizer ----
-    raw_model = training.build_model(cfg, tokenizer.get_vocab_size()).to(device)
+    raw_model = training.build_model(cfg, tokenizer.get_vocab_size(), dtype).to(device)
     if cfg.compile:
         raw_model.compile()  # in place: the state_dict keeps its keys (no `_orig_mod.` prefix)
     optimizer, scheduler = training.make_optimizer(raw_model, cfg, total_steps)
@@ -76,7 +75,8 @@ def main():
     last_step = min(total_steps, cfg.stop_at_step or total_steps)
     train_totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, targets] since last log
     pbar = tqdm(total=total_steps, initial=step, dynamic_ncols=True)
-    flops_per_token, peak = raw_model.flops_per_token(cfg.seq_len), training.peak_tflops(device, dtype)
+    flops_per_token = raw_model.flops_per_token(cfg.seq_len)
+    peak = training.peak_tflops(device, dtype, n_devices=training.devices_in_use(model))  # for MFU
     loader_iter, t0, steps_timed, preempted = None, time.perf_counter(), 0, False
     first_step, started, loss, val_loss = step, t0, None, None  # for the summary at the end
     while step < last_step:
@@ -91,8 +91,7 @@ def main():
         # summed loss by this count weighs every token the same, however many pads there are.
         n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in batches)
         for x, y in batches:
-            with amp:
-                loss_sum = model(x, y)[0].sum()  # DataParallel returns one partial sum per GPU
+            loss_sum = model(x, y)[0].sum()  # DataParallel returns one partial sum per GPU
             (loss_sum / n_tokens).backward()  # gradients accumulate over the micro-batches
             train_totals[0] += loss_sum.detach()
         train_totals[1] += n_tokens
@@ -110,7 +109,7 @@ def main():
         if step % cfg.log_every == 0 or step == last_step:
             loss = (train_totals[0] / train_totals[1]).item()  # token-weighted mean since last log
             speed = training.throughput(time.perf_counter() - t0, steps_timed, cfg, train_totals[1].item(),
-                                        flops_per_token, peak, world_size)
+                                        flops_per_token, peak)
             metrics.write(step=step, epoch=epoch, loss=loss, lr=lr, **speed)
             pbar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{speed['tokens_per_s']:,.0f}",
                              tflops=f"{speed['tflops']:.3g}", **({"mfu": f"{speed['mfu']:.1%}"} if peak else {}))
@@ -122,7 +121,7 @@ def main():
         if preempted:
             break
         if step % cfg.eval_every == 0 or step == last_step:
-            totals = training.evaluate(raw_model, val_loader, device, amp)
+            totals = training.evaluate(raw_model, val_loader, device)
             val_loss = (totals[0] / totals[1]).item()
             metrics.write(step=step, epoch=epoch, val_loss=val_loss)
             tqdm.write(f"step {step}: val loss {val_loss:.4f}")

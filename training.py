@@ -8,6 +8,7 @@ import dataclasses
 import datetime
 import json
 import math
+import re
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -66,8 +67,11 @@ class TrainConfig:
     keep_checkpoints: int = flag(2, "numbered checkpoints to keep; checkpoint.pt is always the newest")
     backend: str | None = flag(None, "process-group backend (default: nccl on CUDA, gloo on CPU)", type=str,
                                choices=["nccl", "gloo"], ddp_only=True)
-    timeout_minutes: float = flag(30.0, "how long a collective may wait for the slowest rank before the "
-                                  "job fails (PyTorch's default is 10)", ddp_only=True)
+    timeout_minutes: float = flag(30.0, "how long a training collective may wait for the slowest rank before "
+                                  "the job fails (PyTorch's default is 10)", ddp_only=True)
+    data_timeout_minutes: float = flag(24 * 60.0, "how long ranks wait for local rank 0 to download, train the "
+                                       "tokenizer and tokenize (hours, for a large corpus on a cold cache)",
+                                       ddp_only=True)
 
 
 # Defaults that depend on --model. `article` is REFERENCE.md's recipe; `tiny` is the demo
@@ -121,6 +125,7 @@ def validate(cfg: TrainConfig):
         if value is not None and value < minimum:
             raise UsageError(f"--{key.replace('_', '-')} must be at least {minimum}, got {value}")
     for key, value, positive in (("lr", cfg.lr, True), ("timeout-minutes", cfg.timeout_minutes, True),
+                                 ("data-timeout-minutes", cfg.data_timeout_minutes, True),
                                  ("weight-decay", cfg.weight_decay, False), ("grad-clip", cfg.grad_clip, False)):
         if not (math.isfinite(value) and value >= 0) or (positive and value == 0):
             raise UsageError(f"--{key} must be a {'positive' if positive else 'non-negative'} number, got {value}")
@@ -141,12 +146,17 @@ def check_batch(cfg: TrainConfig, world_size: int) -> int:
     return cfg.batch_size // (world_size * cfg.grad_accum)
 
 
+class RankError(UsageError):
+    """An error that only this rank meets (it stopped waiting for the others): this rank
+    prints it, whatever its number."""
+
+
 def run(main):
     """Call main(); turn a UsageError into one line on stderr and exit status 2."""
     try:
         main()
     except UsageError as e:
-        if is_rank0():  # every rank sees the same error: print it once
+        if is_rank0() or isinstance(e, RankError):  # every rank sees a UsageError: print it once
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
@@ -195,32 +205,33 @@ def val_loader(val_ds, rank: int, world_size: int, batch_size: int):
 # Model, optimizer, schedule
 
 
-def build_model(cfg: TrainConfig, vocab_size: int) -> LlamaForPretraining:
+def build_model(cfg: TrainConfig, vocab_size: int, dtype: torch.dtype) -> LlamaForPretraining:
     model_config = LlamaConfig(vocab_size=vocab_size, **PRESETS[cfg.model])
     torch.manual_seed(cfg.seed)  # the same initial weights in every process and script
-    return LlamaForPretraining(model_config)
+    model = LlamaForPretraining(model_config)
+    model.compute_dtype = dtype  # matmuls in dtype (autocast inside forward); weights stay fp32
+    return model
 
 
 def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
-    """The dtype autocast runs matmuls in. bf16 pays where the hardware has bf16 matrix
-    units: GPUs from Ampere on, and CPUs with AMX (Xeon Sapphire Rapids and later, where a
-    bf16 matmul runs several times faster than fp32). Elsewhere auto keeps fp32."""
+    """The dtype matmuls run in. bf16 pays where the hardware has bf16 matrix units: GPUs
+    from Ampere on (compute capability 8.0), and CPUs with AMX (Xeon Sapphire Rapids and
+    later, where a bf16 matmul runs several times faster than fp32). Elsewhere auto keeps
+    fp32. Older GPUs (V100, T4) only emulate bf16, slowly: there --dtype bf16 is refused."""
     if choice == "fp32":
         return torch.float32
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
+        # not torch.cuda.is_bf16_supported(): by default it counts emulation as support
+        if torch.cuda.get_device_capability(device) >= (8, 0):
             return torch.bfloat16
         if choice == "bf16":
-            raise UsageError("--dtype bf16: this GPU does not support bf16")
+            name = torch.cuda.get_device_name(device)
+            raise UsageError(f"--dtype bf16: {name} has no native bf16 (compute capability 8.0 or newer "
+                             "needed); use --dtype fp32")
         return torch.float32
     if choice == "bf16" or torch.cpu._is_amx_tile_supported():
         return torch.bfloat16
     return torch.float32
-
-
-def autocast(dtype: torch.dtype, device: torch.device):
-    """Forward passes under `with autocast(...)` run matmuls in dtype; fp32 turns it off."""
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, total_steps: int):
@@ -284,34 +295,41 @@ class StopSignal:
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, amp) -> torch.Tensor:
+def evaluate(model, loader, device) -> torch.Tensor:
     """Return this process's [sum of token losses, number of targets] over `loader`."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for x, y in loader:
-        with amp:
-            loss_sum, n_tokens = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        loss_sum, n_tokens = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
         totals += torch.stack([loss_sum.sum(), n_tokens.sum()])
     model.train()
     return totals
 
 
-# Dense bf16 tensor-core peaks in TFLOP/s, for MFU; the first name contained in
+# Dense bf16 tensor-core peaks in TFLOP/s, for MFU; the first name found as a whole word in
 # torch.cuda.get_device_name() wins. Add yours: the figure is on the GPU's data sheet.
 GPU_BF16_PEAK_TFLOPS = [("H200", 989), ("H100 PCIe", 756), ("H100", 989), ("A100", 312),
-                        ("L40S", 362), ("L4", 121)]
+                        ("L40S", 362), ("L40", 181), ("L4", 121)]
 
 
-def peak_tflops(device: torch.device, dtype: torch.dtype):
-    """The device's bf16 peak, when known and the run computes in bf16; else None."""
+def peak_tflops(device: torch.device, dtype: torch.dtype, n_devices: int = 1):
+    """The bf16 peak of the n_devices GPUs that do the work, when known and the run computes
+    in bf16; else None."""
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
     name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in GPU_BF16_PEAK_TFLOPS if key in name), None)
+    # whole words: "NVIDIA L40S" is not an L4, "NVIDIA A100-SXM4-80GB" is an A100
+    peak = next((peak for key, peak in GPU_BF16_PEAK_TFLOPS if re.search(rf"\b{key}\b", name)), None)
+    return peak * n_devices if peak else None
+
+
+def devices_in_use(model: torch.nn.Module) -> int:
+    """GPUs that one process computes on: all of DataParallel's, else one."""
+    return max(1, len(model.device_ids)) if isinstance(model, torch.nn.DataParallel) else 1
 
 
 def throughput(seconds: float, steps: int, cfg: TrainConfig, nonpad_tokens: float, flops_per_token: int,
-               peak: float | None, world_size: int) -> dict:
+               peak: float | None) -> dict:
     """Speed over `steps` optimizer steps that took `seconds` of wall time, data loading
     included. tokens_per_s counts every position, pads too (that is the work done);
     tokens_per_s_nonpad only the real targets. MFU: achieved over peak FLOP/s, all devices."""
@@ -319,7 +337,7 @@ def throughput(seconds: float, steps: int, cfg: TrainConfig, nonpad_tokens: floa
     speed = {"tokens_per_s": tokens_per_s, "tokens_per_s_nonpad": nonpad_tokens / seconds,
              "flops_per_token": flops_per_token, "tflops": flops_per_token * tokens_per_s / 1e12}
     if peak:
-        speed["mfu"] = speed["tflops"] / (peak * world_size)
+        speed["mfu"] = speed["tflops"] / peak
     return speed
 
 

@@ -37,6 +37,17 @@ os.environ.update(HF_HOME=_HF_HOME, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                   TOKENIZERS_PARALLELISM="false", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
 
 
+# Bitwise equality of two runs holds only at the same thread count: on some CPUs (seen on an
+# Intel Xeon) kernels round differently with 1 and 2 threads. torchrun sets OMP_NUM_THREADS=1
+# for its workers only when --nproc_per_node is above 1, so every launch here fixes it.
+THREADS = {"OMP_NUM_THREADS": "1"}
+
+
+def launch_env(extra: dict | None = None) -> dict:
+    """The environment of every training process a test starts: ours, one thread each."""
+    return {**os.environ, **THREADS, **(extra or {})}
+
+
 def write_corpus(path: Path, n_docs: int = 240, seed: int = 0) -> Path:
     """One document per line, 3 to 40 words: many shorter than --seq-len 32 (padded,
     by different amounts) and some longer (clipped)."""
@@ -64,8 +75,7 @@ def run_script(script: str, args: list[str], nproc: int = 0, wrapper: str | None
                f"--nproc_per_node={nproc}", *torchrun_args, *target, *args]
     else:
         cmd = [sys.executable, *target, *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=launch_env(env))
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc

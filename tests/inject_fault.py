@@ -9,6 +9,8 @@ first attempt only: after torchrun restarts the workers, the run goes on unharme
     sigusr1           SIGUSR1 to this process (Slurm's warning before the time limit)
     slow-disk         the first checkpoint write hangs until training reaches FAULT_STEP;
                       a trainer that saved in its training loop would never get there
+    slow-prepare      loading the corpus takes FAULT_SECONDS longer than it does (a cold cache:
+                      a download, a tokenizer to train); FAULT_STEP is unused
 Each process records how it ended in $FAULT_LOG_DIR/exit-rank<RANK>.txt.
 """
 
@@ -60,6 +62,19 @@ if fault == "slow-disk" and armed:
         return real_save(*args, **kwargs)
 
     checkpointing.save_checkpoint = slow_save
+
+if fault == "slow-prepare" and armed:
+    import time
+
+    import training
+
+    real_load_text = training.load_text
+
+    def slow_load_text(*args, **kwargs):
+        time.sleep(float(os.environ["FAULT_SECONDS"]))  # the work itself is slow, nothing waits on it
+        return real_load_text(*args, **kwargs)
+
+    training.load_text = slow_load_text
 
 status = "exception"
 try:

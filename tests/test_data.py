@@ -2,6 +2,7 @@
 tokenization done once, and a sampler that gives every world size the same global batches."""
 
 import json
+import os
 
 import datasets
 import pyarrow as pa
@@ -76,6 +77,71 @@ def test_tokenizing_happens_once_and_is_read_back_from_the_cache(tokenizer, tmp_
     second = data.tokenize(texts, tokenizer, seq_len=16)  # what the other ranks do
     assert first.cache_files and first.cache_files == second.cache_files
     assert first._fingerprint == second._fingerprint
+
+
+def hostile_texts(n, seed=0):
+    """Documents built to trip a clipped encoding: runs of spaces and tabs, Windows line ends,
+    no-break and ideographic spaces, control characters that Python counts as whitespace and
+    the tokenizer does not, contractions, special-token look-alikes, CJK without spaces."""
+    import random
+    rng = random.Random(seed)
+    pieces = ["word", "tokens", " ", "  ", "\t", "\n", "\n\n", "\r\n", "\x1c", "\xa0", "\u3000", "日本語", "it's",
+              "'s", " 'll", "[EOT]", "[PAD]", "12345", "!!!", "...", "é", "x" * 40, " " * 30]
+    return ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 300))) for _ in range(n)]
+
+
+def whole_document_ids(texts, tokenizer, seq_len):
+    """The reference: encode every document whole, then frame and clip it."""
+    bot, eot = tokenizer.token_to_id(BOT), tokenizer.token_to_id(EOT)
+    return [([bot] + e.ids + [eot])[:seq_len + 1] for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
+@pytest.mark.parametrize("seq_len", [8, 32, 128])
+def test_clipping_text_before_encoding_changes_no_token_the_model_sees(seq_len):
+    texts = hostile_texts(600) + [" ".join(["the model reads tokens"] * 200)] + DOCS
+    tokenizer = data.train_tokenizer(datasets.Dataset.from_dict({"text": texts}), vocab_size=400)
+    assert data.clip_is_exact(tokenizer)
+    framed = data.tokenize(datasets.Dataset.from_dict({"text": texts}), tokenizer, seq_len)["input_ids"]
+    assert framed == whole_document_ids(texts, tokenizer, seq_len)
+
+
+def test_a_huge_document_is_clipped_before_it_is_encoded(tokenizer):
+    """45 MB in one line would take gigabytes and minutes to encode whole, for 33 tokens."""
+    seen = []
+
+    class Recording:  # the real tokenizer, recording how much text it is given
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def encode_batch_fast(self, texts, **kwargs):
+            seen.extend(map(len, texts))
+            return tokenizer.encode_batch_fast(texts, **kwargs)
+
+    huge = " ".join(["gradients flow back through every layer"] * 200_000)  # 8 MB
+    clip_at = data.clip_chars([huge[:20_000]], tokenizer, max_len=33)
+    framed = data._encode({"text": [huge, DOCS[0]]}, Recording(), max_len=33, clip_at=clip_at)["input_ids"]
+    assert framed == whole_document_ids([huge[:10_000], DOCS[0]], tokenizer, 32)
+    assert max(seen) < 2_000  # never the whole document
+
+
+def test_a_tokenizer_that_cutting_could_change_encodes_whole_documents():
+    from tokenizers import normalizers
+    texts = datasets.Dataset.from_dict({"text": DOCS * 20})
+    lowercase = data.train_tokenizer(texts, vocab_size=300)
+    lowercase.normalizer = normalizers.Lowercase()
+    assert not data.clip_is_exact(lowercase) and data.clip_chars(DOCS, lowercase, 9) is None
+    long_docs = [" ".join(DOCS * 30)] * 3
+    framed = data.tokenize(datasets.Dataset.from_dict({"text": long_docs}), lowercase, 8)["input_ids"]
+    assert framed == whole_document_ids(long_docs, lowercase, 8)
+
+
+def test_a_large_corpus_is_tokenized_by_one_process_per_core_with_the_same_result(tokenizer, tmp_path):
+    texts = [f"document {i}: " + DOCS[i % 3].replace("\n", " ") for i in range(12_000)]
+    (tmp_path / "c.txt").write_text("\n".join(texts) + "\n")
+    framed = data.tokenize(data.load_corpus(str(tmp_path / "c.txt")), tokenizer, seq_len=16)
+    assert framed["input_ids"] == whole_document_ids(texts, tokenizer, 16)
+    cores = len(os.sched_getaffinity(0))
+    assert len(framed.cache_files) == min(cores, 2)  # one cache file per process
 
 
 # ---- every --dataset form ---------------------------------------------------------------

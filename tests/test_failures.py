@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import checkpointing
-from conftest import FAST, REPO, ddp_two_ranks, load_weights, max_weight_diff, metrics, run_script, without_speed
+from conftest import FAST, REPO, ddp_two_ranks, launch_env, load_weights, max_weight_diff, metrics, run_script, without_speed
 
 
 def fault_env(tmp_path, fault, step, rank=0):
@@ -84,6 +84,55 @@ def test_a_slow_disk_never_holds_the_other_ranks_in_a_collective(runs, tmp_path)
                wrapper="tests/inject_fault.py", env=fault_env(tmp_path, "slow-disk", step=6), timeout=120)
     assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
     assert sorted(p.name for p in out.glob("checkpoint-*.pt")) == ["checkpoint-00000004.pt", "checkpoint-00000008.pt"]
+
+
+def test_data_preparation_may_outlast_the_training_timeout(runs, tmp_path):
+    """Local rank 0 prepares the data (here: 7 s) while rank 1 waits. The wait is bounded by
+    --data-timeout-minutes, not by the 3-second --timeout-minutes of training collectives,
+    so a cold cache does not kill the job; training then runs under the short timeout."""
+    reference = ddp_two_ranks(runs)
+    out = tmp_path / "run"
+    env = {**fault_env(tmp_path, "slow-prepare", step=0), "FAULT_SECONDS": "7"}
+    proc = run_script("train_ddp.py", train_args(runs, out, "--timeout-minutes", "0.05"), nproc=2,
+                      wrapper="tests/inject_fault.py", env=env, timeout=120)
+    assert "Traceback" not in proc.stderr
+    assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
+
+
+def test_data_preparation_has_its_own_bound(runs, tmp_path):
+    """...and --data-timeout-minutes does bound it: the rank that waits longer ends the job
+    with one line saying so."""
+    out = tmp_path / "run"
+    env = {**fault_env(tmp_path, "slow-prepare", step=0), "FAULT_SECONDS": "20"}
+    proc = run_script("train_ddp.py", train_args(runs, out, "--data-timeout-minutes", "0.05"), nproc=2,
+                      wrapper="tests/inject_fault.py", env=env, check=False, timeout=120)
+    assert proc.returncode != 0 and not (out / "model.pt").exists()
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and ours[0].startswith(
+        "error: rank 1 stopped waiting for data preparation (--data-timeout-minutes): "), proc.stderr
+    assert exit_codes(tmp_path)["exit-rank1"] == "2"
+    for ours in ("train_ddp.py", "training.py", "data.py"):  # no traceback through our code
+        assert f'File "{REPO / ours}"' not in proc.stderr
+
+
+def test_the_side_groups_wait_as_long_as_they_should():
+    """Under NCCL the per-step stop flag travels over a gloo group: it must time out with the
+    training collectives (--timeout-minutes), not after gloo's 30-minute default. Data
+    preparation's group waits --data-timeout-minutes."""
+    import datetime
+    import torch.distributed as dist
+    import training
+    from train_ddp import side_groups
+    cfg = training.parse_args(["--data-timeout-minutes", "120"], ddp=True)
+    timeout = datetime.timedelta(minutes=7)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    try:
+        prep, control = side_groups(cfg, "nccl", timeout)
+        waits = [group._get_backend(torch.device("cpu")).options._timeout for group in (prep, control)]
+        assert waits == [datetime.timedelta(minutes=120), timeout]
+        assert side_groups(cfg, "gloo", timeout)[1] is None  # under gloo the main group carries the flag
+    finally:
+        dist.destroy_process_group()
 
 
 # ---- torn writes ------------------------------------------------------------------------
@@ -176,7 +225,7 @@ def test_two_nodes_train_the_same_model_as_one_node(runs, tmp_path):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                f"--node_rank={node}", "--rdzv-id=two-nodes", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{port}", str(REPO / "train_ddp.py"), *train_args(runs, out)]
-        env = {**os.environ, "HF_HOME": str(tmp_path / f"hf-node{node}")}
+        env = launch_env({"HF_HOME": str(tmp_path / f"hf-node{node}")})  # one thread, as the reference
         launchers.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
     for launcher in launchers:

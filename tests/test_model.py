@@ -68,7 +68,7 @@ def test_is_causal_equals_an_explicit_causal_and_padding_mask_on_real_tokens(lla
 
     sdpa = F.scaled_dot_product_attention
 
-    def with_explicit_mask(q, k, v, is_causal, enable_gqa):
+    def with_explicit_mask(q, k, v, is_causal=False, enable_gqa=False):
         # what the published code builds: causal AND key-is-not-padding, as a float mask
         allowed = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & real[:, None, None, :]
         mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
@@ -161,3 +161,44 @@ def test_kv_cache_refuses_positions_beyond_its_size_or_the_model(llama):
         llama(torch.zeros(1, 64, dtype=torch.long), kv_caches=caches)
         with pytest.raises(ValueError, match="sequence length 65 exceeds max_position_embeddings 64"):
             llama(torch.zeros(1, 1, dtype=torch.long), kv_caches=caches)
+
+
+def linear_output_dtypes(model, run):
+    """Run run(); return the dtypes of every nn.Linear output (every matmul of the model)."""
+    dtypes = set()
+    hooks = [m.register_forward_hook(lambda m, args, out: dtypes.add(out.dtype))
+             for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return dtypes
+
+
+@pytest.mark.parametrize("outer_autocast", [False, True])
+def test_a_replica_on_a_fresh_thread_computes_in_the_models_dtype(outer_autocast):
+    """nn.DataParallel's parallel_apply runs each replica in a new thread and re-enters
+    autocast there with `enabled` only. Autocast's dtype is per thread and defaults to fp16
+    on CUDA, so a dtype set by the caller's autocast is lost. The model applies its own."""
+    import threading
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=V, max_position_embeddings=64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
+    model = LlamaForPretraining(config)
+    model.compute_dtype = torch.bfloat16
+    x = torch.randint(0, V, (2, T))
+    results = {}
+
+    def replica():  # what parallel_apply's worker does, with CUDA's per-thread default dtype
+        torch.set_autocast_dtype("cpu", torch.float16)
+        with torch.autocast("cpu", enabled=outer_autocast):
+            results["loss"] = model(x, x)[0]
+
+    thread = threading.Thread(target=replica)
+    dtypes = linear_output_dtypes(model, lambda: (thread.start(), thread.join()))
+    assert dtypes == {torch.bfloat16}
+    assert results["loss"].dtype == torch.float32  # the loss is computed in fp32
+    model.compute_dtype = torch.float32  # fp32 stays fp32, whatever autocast the caller set
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear_output_dtypes(model, lambda: model(x, x)) == {torch.float32}

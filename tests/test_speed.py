@@ -27,32 +27,63 @@ def test_flops_per_token_matches_pytorchs_flop_counter():
     assert counter.get_total_flops() == model.flops_per_token(T) * B * T
 
 
-def test_compute_dtype(monkeypatch):
-    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+def test_compute_dtype_on_cpus():
+    cpu = torch.device("cpu")
     assert training.compute_dtype("fp32", cpu) == torch.float32
     assert training.compute_dtype("bf16", cpu) == torch.bfloat16
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    assert training.compute_dtype("auto", cpu) == torch.bfloat16  # a Xeon with AMX
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    assert training.compute_dtype("auto", cpu) == torch.float32
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
-    assert training.compute_dtype("auto", gpu) == torch.float32  # e.g. a V100
-    with pytest.raises(training.UsageError, match="does not support bf16"):
-        training.compute_dtype("bf16", gpu)
+    expected = torch.bfloat16 if torch.cpu._is_amx_tile_supported() else torch.float32  # this machine's answer
+    assert training.compute_dtype("auto", cpu) == expected
 
 
-def test_mfu_uses_the_gpus_bf16_peak(monkeypatch):
+@pytest.mark.parametrize("gpu, capability, auto", [
+    ("Tesla V100-SXM2-32GB", (7, 0), torch.float32),  # bf16 only emulated: slow
+    ("Tesla T4", (7, 5), torch.float32),
+    ("NVIDIA A100-SXM4-80GB", (8, 0), torch.bfloat16),
+    ("NVIDIA H100 80GB HBM3", (9, 0), torch.bfloat16),
+])
+def test_auto_picks_bf16_only_on_gpus_that_compute_it_natively(monkeypatch, gpu, capability, auto):
+    """The GPU's compute capability is the fact we fake here; what compute_dtype makes of it
+    is what is checked (torch.cuda.is_bf16_supported() would count emulation as support)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
+    device = torch.device("cuda", 0)
+    assert training.compute_dtype("auto", device) == auto
+    assert training.compute_dtype("fp32", device) == torch.float32
+    if auto == torch.bfloat16:
+        assert training.compute_dtype("bf16", device) == torch.bfloat16
+    else:
+        with pytest.raises(training.UsageError, match=f"--dtype bf16: {gpu} has no native bf16"):
+            training.compute_dtype("bf16", device)
+
+
+@pytest.mark.parametrize("gpu, peak", [
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H200", 989),
+    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA L40S", 362), ("NVIDIA L40", 181), ("NVIDIA L4", 121),
+    ("Tesla V100-SXM2-32GB", None), ("NVIDIA RTX A1000 6GB Laptop GPU", None),  # not an A100
+])
+def test_mfu_uses_the_bf16_peak_of_the_gpu_by_its_whole_name(monkeypatch, gpu, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
+    assert training.peak_tflops(torch.device("cuda", 0), torch.bfloat16) == peak
+
+
+def test_mfu_divides_by_the_peak_of_every_gpu_at_work(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
     gpu = torch.device("cuda", 0)
-    assert training.peak_tflops(gpu, torch.bfloat16) == 756
+    assert training.peak_tflops(gpu, torch.bfloat16, n_devices=4) == 4 * 756
     assert training.peak_tflops(gpu, torch.float32) is None  # no MFU against a peak we don't use
     assert training.peak_tflops(torch.device("cpu"), torch.bfloat16) is None
     cfg = training.parse_args(["--batch-size", "64", "--seq-len", "512"])
     speed = training.throughput(2.0, steps=10, cfg=cfg, nonpad_tokens=300_000, flops_per_token=10**9,
-                                peak=756, world_size=4)
+                                peak=4 * 756)
     assert speed["tokens_per_s"] == 10 * 64 * 512 / 2.0 and speed["tokens_per_s_nonpad"] == 150_000
     assert speed["tflops"] == pytest.approx(163.84) and speed["flops_per_token"] == 10**9
     assert speed["mfu"] == pytest.approx(163.84 / (4 * 756))
+    # train_dp.py counts the GPUs DataParallel computes on (here as if 4 were visible)
+    model = torch.nn.Linear(2, 2)
+    assert training.devices_in_use(model) == 1
+    dp = torch.nn.DataParallel(model)
+    dp.device_ids = [0, 1, 2, 3]
+    assert training.devices_in_use(dp) == 4
 
 
 def test_bf16_trains_like_fp32(runs):
@@ -101,20 +132,41 @@ def test_bench_runs_every_row_and_writes_its_table(tmp_path):
     assert "ddp_world_1_vs_one_process" in result["ratios"] and "Table 2" in proc.stdout
 
 
-def test_ddp_keeps_gradients_in_its_buckets_and_sends_no_buffers_each_step():
-    """train_ddp.py's DDP_OPTIONS: gradients are views into the all-reduce buckets (no copy),
-    and the forward broadcasts no buffers (RoPE's tables are the same on every rank)."""
+def _ddp_options_worker(rank, port, results):
+    import os
     import torch.distributed as dist
     from train_ddp import DDP, DDP_OPTIONS
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
+        torch.manual_seed(0)
         config = LlamaConfig(vocab_size=97, max_position_embeddings=64, hidden_size=64, intermediate_size=128,
                              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
         model = DDP(LlamaForPretraining(config), **DDP_OPTIONS)
+        cos = model.module.base_model.rotary_emb.cos
+        cos += rank  # a buffer that differs between the ranks after DDP was built
         x = torch.randint(0, 97, (2, 16))
         model(x, x)[0].sum().backward()
-        assert model.gradient_as_bucket_view and not model.broadcast_buffers
-        assert all(p.grad._base is not None for p in model.parameters())  # views, not own tensors
+        results.put((rank, cos[1, 0].item(), all(p.grad._base is not None for p in model.parameters())))
     finally:
         dist.destroy_process_group()
+
+
+def test_ddp_keeps_gradients_in_its_buckets_and_sends_no_buffers_each_step():
+    """train_ddp.py's DDP_OPTIONS, on 2 gloo ranks: gradients are views into the all-reduce
+    buckets (no copy in and out), and a forward broadcasts no buffers: rank 1's own RoPE table
+    survives it (with DDP's default, rank 0's would overwrite it before every forward)."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_ddp_options_worker, args=(port, results), nprocs=2)
+    got = dict((rank, (cos, views)) for rank, cos, views in (results.get(), results.get()))
+    untouched = LlamaForPretraining(LlamaConfig(vocab_size=97, max_position_embeddings=64, hidden_size=64,
+                                                intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                                                num_key_value_heads=2)).base_model.rotary_emb.cos[1, 0].item()
+    assert got[0] == (pytest.approx(untouched), True)
+    assert got[1] == (pytest.approx(untouched + 1), True)  # not rank 0's value: no broadcast

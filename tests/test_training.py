@@ -90,7 +90,8 @@ def test_output_folder_holds_what_the_readme_promises(runs):
     model, _ = checkpointing.load_trained(out)
     state = torch.load(out / "model.pt", map_location="cpu", weights_only=True)
     assert not [k for k in state if k.startswith(("module.", "_orig_mod."))]
-    assert model.load_state_dict(state, strict=True) is not None
+    assert model.state_dict().keys() == state.keys()  # every weight, nothing else
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
     assert isinstance(model, LlamaForPretraining) and model.config.vocab_size == 300
     # the checkpoint loads with weights_only and holds everything an exact resume needs
     ckpt = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)
@@ -142,3 +143,94 @@ def test_a_saved_tokenizer_reproduces_the_run(runs, tmp_path):
     run_script("train_dp.py", ["--dataset", str(runs.corpus), *FAST_WITH_TOKENIZER, "--tokenizer", str(first / "tokenizer.json"),
                                "--out-dir", str(tmp_path / "again")])
     assert max_weight_diff(load_weights(first), load_weights(tmp_path / "again")) == 0.0
+
+
+def test_resume_across_an_epoch_boundary_is_bitwise_exact(runs):
+    """232 training documents in global batches of 32: 7 steps per epoch. Stopped at step 4
+    and resumed, the run reshuffles for epoch 1 at step 7 exactly as a straight run does."""
+    epochs = ["--batch-size", "32", "--max-steps", "10", "--log-every", "1"]
+    straight = runs("dp_two_epochs", "train_dp.py", epochs)
+    assert [row["epoch"] for row in metrics(straight) if "loss" in row] == [0] * 7 + [1] * 3
+    half = runs("dp_two_epochs_half", "train_dp.py", [*epochs, "--stop-at-step", "4"])
+    run_script("train_dp.py", ["--dataset", str(runs.corpus), *FAST, *epochs, "--out-dir", str(half), "--resume"])
+    assert max_weight_diff(load_weights(straight), load_weights(half)) == 0.0
+    assert without_speed(metrics(half)) == without_speed(metrics(straight))
+
+
+def test_the_learning_rate_warms_up_linearly_then_decays_to_zero_on_a_cosine():
+    cfg = training.parse_args(["--lr", "0.002", "--warmup-steps", "10"])
+    model = torch.nn.Linear(4, 4)
+    optimizer, scheduler = training.make_optimizer(model, cfg, total_steps=110)
+    lrs = []
+    for _ in range(111):
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[0] == pytest.approx(0.0002)  # warmup starts at 0.1x the peak
+    assert lrs[5] == pytest.approx(0.0002 + 0.5 * 0.0018)  # linear
+    assert lrs[10] == pytest.approx(0.002) and max(lrs) == lrs[10]  # the peak, once
+    assert lrs[60] == pytest.approx(0.001)  # half way down the cosine: half the peak
+    assert lrs[110] == pytest.approx(0.0, abs=1e-12)  # zero at the last step
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))  # never rises again
+
+
+def test_weight_decay_applies_to_matrices_and_embeddings_not_to_norm_gains(corpus):
+    cfg = training.parse_args(["--dataset", str(corpus), *FAST, "--weight-decay", "0.1"])
+    model = training.build_model(cfg, vocab_size=300, dtype=torch.float32)
+    optimizer, _ = training.make_optimizer(model, cfg, total_steps=8)
+    group_of = {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+    decays = {name: group_of[id(p)] for name, p in model.named_parameters()}
+    assert len(decays) == len(list(model.parameters()))  # every parameter in exactly one group
+    assert decays["base_model.embed_tokens.weight"] == decays["lm_head.weight"] == 0.1
+    assert decays["base_model.layers.0.self_attn.q_proj.weight"] == decays["base_model.layers.3.mlp.down_proj.weight"] == 0.1
+    norms = [name for name in decays if "norm" in name]
+    assert len(norms) == 2 * 4 + 1 and all(decays[name] == 0.0 for name in norms)
+
+
+def test_gradient_clipping_clips_the_global_norm(corpus, tmp_path, monkeypatch):
+    """train_dp.py in this process: the norm of the gradients the optimizer steps with never
+    exceeds --grad-clip, though it would without clipping; --grad-clip 0 turns it off."""
+    import train_dp
+
+    def grad_norms(clip):
+        before, after = [], []
+        real_clip, real_step = torch.nn.utils.clip_grad_norm_, torch.optim.AdamW.step
+
+        def clip_and_record(params, max_norm, *args, **kwargs):
+            params = list(params)
+            before.append(real_clip(params, max_norm, *args, **kwargs).item())  # returns the norm before clipping
+            return before[-1]
+
+        def step_and_record(self, *args, **kwargs):
+            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+            after.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+            return real_step(self, *args, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(torch.nn.utils, "clip_grad_norm_", clip_and_record)
+            m.setattr(torch.optim.AdamW, "step", step_and_record)
+            m.setattr("sys.argv", ["train_dp.py", "--dataset", str(corpus), *FAST, "--grad-clip", str(clip),
+                                   "--out-dir", str(tmp_path / f"clip{clip}")])
+            train_dp.main()
+        return before, after
+
+    before, after = grad_norms(0.1)
+    assert len(before) == len(after) == 8 and max(before) > 0.1  # clipping had work to do
+    assert all(norm <= 0.1 * (1 + 1e-4) for norm in after)
+    before, after = grad_norms(0)
+    assert before == [] and max(after) > 0.1  # off: never called, norms above 0.1 reach the optimizer
+
+
+def test_bf16_and_compile_under_ddp_on_two_ranks(runs):
+    """The fast paths under DDP: each rank compiles its model before DDP wraps it and computes
+    in bf16; the run learns, follows the fp32 run, and writes plain fp32 weights."""
+    fp32 = ddp_two_ranks(runs)
+    fast = runs("ddp2_bf16_compiled", "train_ddp.py", ["--dtype", "bf16", "--compile"], nproc=2)
+    losses = [row["loss"] for row in metrics(fast) if "loss" in row]
+    reference = [row["loss"] for row in metrics(fp32) if "loss" in row]
+    assert losses[-1] < losses[0] - 0.5
+    assert losses == pytest.approx(reference, abs=0.05)
+    state = load_weights(fast)
+    assert all(w.dtype == torch.float32 for w in state.values())
+    model, _ = checkpointing.load_trained(fast)  # plain keys: loads strictly into a plain model
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())

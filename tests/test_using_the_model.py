@@ -45,7 +45,7 @@ def greedy_without_cache(model, prompt, n):
 
 # ---- generation -------------------------------------------------------------------------
 
-def test_generate_returns_at_most_max_new_tokens_ids_from_the_vocabulary(small_model):
+def test_without_a_stop_token_generate_returns_max_new_tokens_ids_from_the_vocabulary(small_model):
     new = generate.generate(small_model, [1, 5, 7], max_new_tokens=12, temperature=1.0,
                             generator=torch.Generator().manual_seed(0))
     assert len(new) == 12 and all(isinstance(t, int) and 0 <= t < 101 for t in new)

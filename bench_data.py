@@ -1,0 +1,215 @@
+"""Measure data preparation: how fast a corpus becomes training sequences, next to the
+tokenizer's own speed on the same text.
+
+    python bench_data.py                       # a generated 200 MB FineWeb-shaped parquet
+    python bench_data.py --data my.parquet     # your own file (a `text` column)
+    python bench_data.py --launch              # also time train_dp.py from launch to its first step
+
+The generated corpus has FineWeb's columns (text, id, dump, url, date, file_path, language,
+language_score, token_count) and its shape: documents of log-normal length (median about
+1,800 characters, a long tail past 50,000), English-like words with Zipf frequencies,
+sentences and paragraphs. It is written once and reused (--data-dir).
+
+Rows, each on a fresh `datasets` cache, with the same tokenizer (a BPE trained once on a
+sample, not timed):
+  raw encode_batch   tokenizer.encode_batch over every document, on every core: the ceiling
+                     for tokenizing whole documents
+  before             what preparation did before: one process, a Python filter per document,
+                     every document encoded whole, then clipped
+  ours               training.load_text + training.make_datasets, as the trainers call them
+MB/s counts the UTF-8 bytes of the documents' text.
+"""
+
+import argparse
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FINEWEB_COLUMNS = ("text", "id", "dump", "url", "date", "file_path", "language", "language_score", "token_count")
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", help="a parquet file with a `text` column (default: generate one)")
+    p.add_argument("--mb", type=int, default=200, help="MB of text to generate")
+    p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "bench_data"),
+                   help="where the generated corpus is kept between runs")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (the article preset's)")
+    p.add_argument("--vocab-size", type=int, default=50000, help="BPE size (the article preset's)")
+    p.add_argument("--launch", action="store_true", help="also time train_dp.py from launch to its first step")
+    return p.parse_args()
+
+
+# ---- a FineWeb-shaped corpus ------------------------------------------------------------------
+
+def word_frequencies():
+    """Words and their counts, from the Python standard library's text (on every machine)."""
+    import data
+    counts = {}
+    for doc in data.stdlib_documents(data.stdlib_files()[:400]):
+        for word in re.findall(r"[a-z]{2,12}", doc["text"].lower()):
+            counts[word] = counts.get(word, 0) + 1
+    words = sorted(counts, key=counts.get, reverse=True)[:20000]
+    return words, [1.0 / (rank + 1) for rank in range(len(words))]  # Zipf
+
+
+def generate(path: Path, megabytes: int):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rng = random.Random(0)
+    words, weights = word_frequencies()
+    cum = list(__import__("itertools").accumulate(weights))
+    rows, total, writer, doc_id = [], 0, None, 0
+    while total < megabytes * 1_000_000:
+        length = min(100_000, max(200, int(rng.lognormvariate(math.log(1800), 1.0))))
+        pool = rng.choices(words, cum_weights=cum, k=length // 5)
+        paragraphs, i = [], 0
+        while i < len(pool):
+            sentences = []
+            for _ in range(rng.randint(2, 6)):
+                n = rng.randint(5, 25)
+                sentence = " ".join(pool[i:i + n])
+                i += n
+                if sentence:
+                    sentences.append(sentence[0].upper() + sentence[1:] + rng.choice(".....?!"))
+            paragraphs.append(" ".join(sentences))
+        text = "\n\n".join(p for p in paragraphs if p)[:length]
+        rows.append({"text": text, "id": f"<urn:uuid:{rng.getrandbits(128):032x}>", "dump": "CC-MAIN-2024-10",
+                     "url": f"https://example.org/{doc_id}/{pool[0]}", "date": "2024-02-21T06:00:00Z",
+                     "file_path": f"s3://commoncrawl/crawl-data/CC-MAIN-2024-10/{doc_id % 1000:05d}.warc.gz",
+                     "language": "en", "language_score": 0.9 + rng.random() / 10, "token_count": len(text) // 4})
+        total += len(text.encode())
+        doc_id += 1
+        if len(rows) == 10_000:
+            table = pa.Table.from_pylist(rows)
+            writer = writer or pq.ParquetWriter(path, table.schema)
+            writer.write_table(table)
+            rows = []
+    if rows:
+        table = pa.Table.from_pylist(rows)
+        writer = writer or pq.ParquetWriter(path, table.schema)
+        writer.write_table(table)
+    writer.close()
+
+
+# ---- the rows -------------------------------------------------------------------------------
+
+def fresh_cache():
+    """A `datasets` cache of its own for each row, so no row reads another's results."""
+    import datasets
+    folder = tempfile.mkdtemp(prefix="bench_data_cache_")
+    datasets.config.HF_DATASETS_CACHE = Path(folder)
+    return folder
+
+
+def raw_encode_batch(texts, tokenizer):
+    """The tokenizer alone: encode_batch over every whole document, with its own threads."""
+    start = time.perf_counter()
+    for i in range(0, len(texts), 1000):
+        tokenizer.encode_batch(texts[i:i + 1000], add_special_tokens=False)
+    return time.perf_counter() - start
+
+
+def before(cfg, tokenizer):
+    """Preparation as it was: a filter that runs Python per document, one process, and
+    every document encoded whole before it is clipped."""
+    import datasets
+    import data
+    start = time.perf_counter()
+    ds = datasets.load_dataset("parquet", data_files=[cfg.dataset], split="train").select_columns(["text"])
+    ds = ds.filter(lambda batch: [bool(t and t.strip()) for t in batch["text"]], batched=True)
+    train, val = data.split_train_val(ds, data.default_val_docs(len(ds)), cfg.seed)
+    bot, eot, max_len = tokenizer.token_to_id(data.BOT), tokenizer.token_to_id(data.EOT), cfg.seq_len + 1
+
+    def encode(batch):
+        encodings = tokenizer.encode_batch(batch["text"], add_special_tokens=False)
+        return {"input_ids": [([bot] + e.ids + [eot])[:max_len] for e in encodings]}
+
+    for part in (train, val):
+        part.map(encode, batched=True, remove_columns=["text"])
+    return time.perf_counter() - start
+
+
+def ours(cfg, tokenizer):
+    """What train_dp.py and train_ddp.py run, given --tokenizer."""
+    import training
+    start = time.perf_counter()
+    train_text, val_text = training.load_text(cfg)
+    training.make_datasets(cfg, tokenizer, train_text, val_text)
+    return time.perf_counter() - start
+
+
+def launch_to_first_step(path, out_dir, extra=()):
+    """Seconds from `python train_dp.py` to the start of its first optimizer step (the line
+    it prints as the training loop begins), on a cold `datasets` cache. The run is stopped
+    there: what follows is training, not preparation."""
+    env = {**os.environ, "HF_HOME": tempfile.mkdtemp(prefix="bench_data_hf_")}
+    cmd = [sys.executable, "train_dp.py", "--dataset", str(path), "--out-dir", out_dir, *extra]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    for line in proc.stdout:
+        if "parameters |" in line:
+            seconds = time.perf_counter() - start
+            proc.kill()
+            proc.wait()
+            return seconds
+    raise SystemExit(f"{' '.join(cmd)} exited with {proc.wait()} before training")
+
+
+def main():
+    args = parse_args()
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    import datasets
+    import pyarrow.parquet as pq
+    import data
+    import training
+    datasets.logging.set_verbosity_error()
+
+    path = Path(args.data) if args.data else Path(args.data_dir) / f"fineweb_like_{args.mb}mb.parquet"
+    if not path.exists():
+        print(f"writing {path} ...", flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        generate(path, args.mb)
+    texts = [t for t in pq.read_table(path, columns=["text"]).column("text").to_pylist() if t and t.strip()]
+    megabytes = sum(len(t.encode()) for t in texts) / 1e6
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(f"{path.name}: {len(texts):,} documents, {megabytes:.0f} MB of text | {cores} cores | "
+          f"--seq-len {args.seq_len} | BPE of {args.vocab_size:,} tokens", flush=True)
+
+    tokenizer_path = path.with_name(f"{path.stem}.bpe{args.vocab_size}.json")
+    if not tokenizer_path.exists():  # trained once on a sample, not timed
+        sample = datasets.Dataset.from_dict({"text": texts[:20_000]})
+        data.train_tokenizer(sample, args.vocab_size).save(str(tokenizer_path))
+    tokenizer = data.load_tokenizer(tokenizer_path)
+    cfg = training.parse_args(["--dataset", str(path), "--seq-len", str(args.seq_len), "--model", "article",
+                               "--tokenizer", str(tokenizer_path)])
+
+    rows = []
+    for name, fn in (("raw encode_batch (the tokenizer alone)", lambda: raw_encode_batch(texts, tokenizer)),
+                     ("before: one process, whole documents", lambda: before(cfg, tokenizer)),
+                     ("ours: training.load_text + make_datasets", lambda: ours(cfg, tokenizer))):
+        cache = fresh_cache()
+        seconds = fn()
+        rows.append((name, seconds))
+        print(f"  {name:<45}{seconds:8.1f} s {megabytes / seconds:8.2f} MB/s", flush=True)
+        __import__("shutil").rmtree(cache, ignore_errors=True)
+    raw, old, new = (seconds for _, seconds in rows)
+    print(f"\nours vs raw encode_batch: {raw / new:.2f}x its throughput (target: 0.8x or more)")
+    print(f"ours vs before: {old / new:.2f}x")
+
+    if args.launch:
+        with tempfile.TemporaryDirectory() as out:
+            seconds = launch_to_first_step(path, os.path.join(out, "run"), ["--model", "article"])
+        print(f"\npython train_dp.py --model article --dataset {path.name} (cold cache: BPE training "
+              f"included): {seconds:.1f} s from launch to the first step")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""What only a GPU can show: NCCL, bf16 on tensor cores, torch.compile on CUDA, the SDPA
+kernels, DataParallel's replica threads. Skipped without a CUDA GPU; run them on one with
+
+    python -m pytest tests/test_cuda.py -v
+
+Every behaviour here also has a CPU test elsewhere; these check that the CUDA paths work."""
+
+import copy
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import checkpointing
+import training
+from conftest import FAST, load_weights, max_weight_diff, metrics, run_script
+from model import LlamaConfig, LlamaForPretraining
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# bf16 and compile on the GPU; --dtype auto must pick bf16 on any GPU from Ampere on
+GPU_FAST = [*FAST[:FAST.index("--dtype")], "--dtype", "bf16", "--compile"]
+
+
+@pytest.fixture(scope="module")
+def small_config():
+    return LlamaConfig(vocab_size=128, max_position_embeddings=256, hidden_size=256, intermediate_size=512,
+                       num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
+
+
+def test_auto_is_bf16_on_this_gpu_when_it_computes_bf16_natively():
+    gpu = torch.device("cuda", 0)
+    native = torch.cuda.get_device_capability(gpu) >= (8, 0)
+    assert training.compute_dtype("auto", gpu) == (torch.bfloat16 if native else torch.float32)
+
+
+def trains_resumes_and_loads(runs, tmp_path, script, nproc):
+    straight = runs(f"cuda_{script}", script, GPU_FAST, nproc=nproc)
+    rows = [row for row in metrics(straight) if "loss" in row]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5  # it learns
+    if training.peak_tflops(torch.device("cuda", 0), torch.bfloat16):  # a GPU whose peak we know
+        assert 0 < rows[-1]["mfu"] < 1
+    model, _ = checkpointing.load_trained(straight)  # plain keys, fp32, loads strictly
+    state = load_weights(straight)
+    assert all(v.dtype == torch.float32 and torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    # stopped at step 4 and resumed on the GPU: the same run, to GPU rounding
+    half = tmp_path / "half"
+    run_script(script, ["--dataset", str(runs.corpus), *GPU_FAST, "--out-dir", str(half), "--stop-at-step", "4"],
+               nproc=nproc)
+    run_script(script, ["--dataset", str(runs.corpus), *GPU_FAST, "--out-dir", str(half), "--resume"], nproc=nproc)
+    assert max_weight_diff(load_weights(straight), load_weights(half)) < 1e-2
+    return straight
+
+
+def test_train_dp_in_bf16_with_compile_trains_resumes_and_writes_plain_weights(runs, tmp_path):
+    trains_resumes_and_loads(runs, tmp_path, "train_dp.py", nproc=0)
+
+
+def test_train_ddp_under_torchrun_with_nccl_in_bf16_with_compile(runs, tmp_path):
+    out = trains_resumes_and_loads(runs, tmp_path, "train_ddp.py", nproc=1)
+    assert (out / "model.pt").exists()
+
+
+def test_dataparallel_replicas_compute_in_bf16(small_config):
+    """parallel_apply runs each replica in its own thread, where autocast's dtype defaults to
+    fp16; the model's own autocast keeps them in bf16. Two replicas share one GPU here."""
+    from torch.nn.parallel import parallel_apply
+    model = LlamaForPretraining(small_config).cuda()
+    model.compute_dtype = torch.bfloat16
+    replicas = [model, copy.deepcopy(model)]
+    dtypes = set()
+    for replica in replicas:
+        for m in replica.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_hook(lambda m, args, out: dtypes.add(out.dtype))
+    x = torch.randint(0, 128, (2, 64), device="cuda")
+    for outer in (False, True):  # with or without an autocast around DataParallel
+        with torch.autocast("cuda", enabled=outer):
+            outputs = parallel_apply(replicas, [(x, x), (x, x)], devices=[0, 0])
+        assert dtypes == {torch.bfloat16}
+        assert all(loss_sum.dtype == torch.float32 for loss_sum, _ in outputs)
+
+
+def test_sdpa_serves_gqa_with_the_flash_kernel_in_bf16_and_a_memory_efficient_one_in_fp32(small_config):
+    """Only the flash kernel takes enable_gqa, and only in bf16/fp16; in fp32 the model
+    repeats the key/value heads so that the memory-efficient kernel runs, not the math one."""
+    if torch.cuda.get_device_capability(0) < (8, 0):
+        pytest.skip("the flash kernel needs compute capability 8.0")
+    model = LlamaForPretraining(small_config).cuda()
+    x = torch.randint(0, 128, (2, 256), device="cuda")
+    model.compute_dtype = torch.bfloat16
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # raises if the flash kernel cannot serve it
+        bf16 = model(x)
+    model.compute_dtype = torch.float32
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        fp32 = model(x)
+    with sdpa_kernel(SDPBackend.MATH):
+        math = model(x)
+    torch.testing.assert_close(fp32, math, atol=1e-4, rtol=1e-4)
+    assert (bf16.float() - fp32).abs().max() < 0.1
+
+
+def test_generate_on_the_gpu(runs):
+    out = runs("cuda_train_dp.py", "train_dp.py", GPU_FAST)
+    proc = run_script("generate.py", [str(out), "--prompt", "the model", "--max-new-tokens", "16", "--temperature", "0"])
+    assert proc.stdout.startswith("the model") and len(proc.stdout) > len("the model\n")
+    assert run_script("generate.py", [str(out), "--prompt", "the model", "--max-new-tokens", "16",
+                                      "--temperature", "0"]).stdout == proc.stdout
