@@ -1,11 +1,12 @@
 """Measure training speed on this machine, side by side in one run.
 
     python bench.py                  # CPU: tiny model, seq 256; GPU: article model, seq 512, batch 64
-    python bench.py --compile        # also torch.compile our path (slow to compile on a CPU)
+    python bench.py --compile        # also torch.compile our path in Table 2 (slow to compile on a CPU)
 
 Table 1 is the tutorial's comparison: one process, nn.DataParallel (when there is more than
 one GPU) and DDP at world size 1..N (N = the GPUs, or 2 processes on a CPU). Every row
-trains the same global batch; tokens/s counts all positions of every rank. Table 2 starts
+trains the same global batch, eager and in --dtype auto's dtype (DataParallel cannot run a
+compiled model); tokens/s counts all positions of every rank. Table 2 starts
 from the tutorial's formulation (an explicit float causal+padding mask, fp32, logits
 returned and the loss taken outside the model) and turns our changes on one at a time.
 Both go to stdout and to --json. Synthetic right-padded batches are used, so no dataset
