@@ -1,6 +1,6 @@
 """Measure training speed on this machine, side by side in one run.
 
-    python bench.py                  # CPU: tiny model, seq 256; GPU: article model, seq 512, batch 64
+    python bench.py                  # CPU: the tiny preset (16 x 128); GPU: the article preset (64 x 512)
     python bench.py --compile        # also torch.compile our path in Table 2 (slow to compile on a CPU)
 
 Table 1 is the tutorial's comparison: one process, nn.DataParallel (when there is more than
@@ -26,19 +26,16 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+import launcher
 import training
 from model import IGNORE_INDEX, PRESETS, LlamaConfig, LlamaForPretraining
-from train_ddp import DDP_OPTIONS
-
-VOCAB = {"tiny": 4096, "article": 50000}
-
 
 def parse_args():
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(PRESETS), default="article" if cuda else "tiny")
-    p.add_argument("--seq-len", type=int, default=512 if cuda else 256)
-    p.add_argument("--batch-size", type=int, default=64 if cuda else 16, help="global sequences per step")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the --model preset's)")
+    p.add_argument("--batch-size", type=int, help="global sequences per step (default: the --model preset's)")
     p.add_argument("--steps", type=int, default=20 if cuda else 8, help="timed steps per row")
     p.add_argument("--warmup", type=int, default=5 if cuda else 2, help="untimed steps per row")
     p.add_argument("--compile", action="store_true", help="torch.compile our path (on by default on a GPU)")
@@ -46,6 +43,10 @@ def parse_args():
     p.add_argument("--json", default="bench.json")
     args = p.parse_args()
     args.compile = args.compile or cuda
+    preset = training.TRAINING_PRESETS[args.model]  # the sizes train_dp.py and train_ddp.py use
+    args.vocab_size = preset["vocab_size"]
+    args.seq_len = args.seq_len or preset["seq_len"]
+    args.batch_size = args.batch_size or preset["batch_size"]
     return args
 
 
@@ -54,7 +55,7 @@ def synthetic_batches(args, n=4):
     g = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(n):
-        tokens = torch.randint(3, VOCAB[args.model], (args.batch_size, args.seq_len + 1), generator=g)
+        tokens = torch.randint(3, args.vocab_size, (args.batch_size, args.seq_len + 1), generator=g)
         lengths = torch.randint(args.seq_len // 4, args.seq_len + 2, (args.batch_size, 1), generator=g)
         real = torch.arange(args.seq_len + 1)[None, :] < lengths
         x = tokens[:, :-1].masked_fill(~real[:, :-1], 0)  # [PAD] = 0
@@ -83,7 +84,7 @@ def float_mask(x):
 # ---- one timed run --------------------------------------------------------------------------
 
 def model_config(args) -> LlamaConfig:
-    return LlamaConfig(vocab_size=VOCAB[args.model], **PRESETS[args.model])
+    return LlamaConfig(vocab_size=args.vocab_size, **PRESETS[args.model])
 
 
 def build(args, device, dtype, compile_model=False):
@@ -155,7 +156,7 @@ def ddp_worker(rank, world_size, port, args, dtype, results):
         torch.set_num_threads(max(1, os.cpu_count() // world_size))  # the cores are shared
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
     model = nn.parallel.DistributedDataParallel(build(args, device, dtype), device_ids=[rank] if cuda else None,
-                                                **DDP_OPTIONS)  # as train_ddp.py builds it
+                                                **launcher.DDP_OPTIONS)  # as train_ddp.py builds it
     shard = [(x[rank::world_size], y[rank::world_size]) for x, y in synthetic_batches(args)]
     row = time_steps(args, model, shard, device)
     memory = [None] * world_size

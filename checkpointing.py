@@ -9,14 +9,15 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 import threading
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from data import UsageError, first_line, load_tokenizer
+from data import load_tokenizer
+from errors import UsageError, first_line
+from launcher import restart_count, warn
 from model import LlamaConfig, LlamaForPretraining
 
 CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS = (
@@ -24,24 +25,10 @@ CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS = (
 RUN_FILES = (CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS)  # plus checkpoint-<step>.pt
 
 
-def is_rank0() -> bool:
-    """Rank 0 of a torchrun job, or a plain `python` run: the process that speaks."""
-    return int(os.environ.get("RANK", 0)) == 0
-
-
-def warn(message: str):
-    if is_rank0():
-        print(f"warning: {message}", file=sys.stderr)
-
-
-def restart_count() -> int:
-    """How often torchrun (--max-restarts) has restarted this job's workers."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-
-
-def check_out_dir(out_dir: str, resume: bool):
-    """Before anything is written: refuse to overwrite a run; on --resume, or when torchrun
-    restarts the job after a failure, load its newest readable checkpoint."""
+def resuming(out_dir: str, resume: bool) -> bool:
+    """Whether this run continues the one in out_dir: on --resume, or when torchrun restarts
+    the job after a failure. Checked before anything is written: a new run refuses a folder
+    that holds another run."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out-dir {out} exists and is not a folder")
@@ -49,9 +36,9 @@ def check_out_dir(out_dir: str, resume: bool):
     if resume or (restart_count() and checkpoints):
         if not checkpoints:
             raise UsageError(f"nothing to resume: {out} holds no checkpoint")
-        return load_latest_checkpoint(out)
+        return True
     if restart_count():
-        return None  # killed before its first checkpoint: start again over this job's own files
+        return False  # killed before its first checkpoint: start again over this job's own files
     existing = [name for name in RUN_FILES if (out / name).exists()]
     if checkpoints or (out / MODEL).exists():
         raise UsageError(f"{out} already holds a run ({', '.join(existing) or checkpoints[0].name}): "
@@ -59,11 +46,12 @@ def check_out_dir(out_dir: str, resume: bool):
     if existing:
         raise UsageError(f"{out} holds files of a run that never saved a checkpoint "
                          f"({', '.join(existing)}): delete them, or choose another --out-dir")
-    return None
+    return False
 
 
-def load_latest_checkpoint(out: Path) -> dict:
+def load_latest_checkpoint(out_dir) -> dict:
     """checkpoint.pt or, if it cannot be read, the newest older checkpoint that can."""
+    out = Path(out_dir)
     candidates = [out / CHECKPOINT, *sorted(out.glob("checkpoint-*.pt"), reverse=True)]
     failures = []
     for path in (p for p in candidates if p.is_file()):

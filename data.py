@@ -20,6 +20,7 @@ import datasets
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from errors import UsageError, first_line
 from model import IGNORE_INDEX
 
 PAD, BOT, EOT = "[PAD]", "[BOT]", "[EOT]"
@@ -30,11 +31,6 @@ FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": 
 # The tokenizer is trained on at most this much text: plenty for a BPE, and it keeps a
 # run on a 10B-token corpus from spending hours on tokenizer training.
 TOKENIZER_TRAIN_CHARS = 200_000_000
-
-
-class UsageError(ValueError):
-    """Bad input the user can fix (flags, data, files): the scripts print it as one line
-    on stderr and exit non-zero, with no traceback."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -145,15 +141,6 @@ def _text_column(ds: datasets.Dataset, column: str, name: str) -> datasets.Datas
         raise UsageError(f"column {column!r} of dataset {name} holds {ds.features[column].dtype}, not text")
     ds = ds.select_columns([column])
     return ds.rename_column(column, "text") if column != "text" else ds
-
-
-def first_line(e: BaseException) -> str:
-    """The first line of the innermost cause: "JSON parse error ... in row 1", not the
-    wrapper's "An error occurred while generating the dataset"."""
-    while e.__cause__ is not None:
-        e = e.__cause__
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0]
 
 
 @contextlib.contextmanager

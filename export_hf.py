@@ -23,8 +23,10 @@ from safetensors.torch import save
 from tokenizers import Tokenizer, processors
 
 import checkpointing
+import launcher
 import training
-from data import BOT, EOT, PAD, UsageError
+from data import BOT, EOT, PAD
+from errors import UsageError
 from model import LlamaForPretraining
 
 
@@ -102,4 +104,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    training.run(main)
+    launcher.exit_on_usage_error(main)

@@ -18,8 +18,10 @@ import math
 import torch
 
 import checkpointing
+import launcher
 import training
-from data import BOT, EOT, UsageError
+from data import BOT, EOT
+from errors import UsageError
 from model import LlamaForPretraining
 
 
@@ -91,4 +93,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    training.run(main)
+    launcher.exit_on_usage_error(main)

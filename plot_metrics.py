@@ -11,9 +11,10 @@ import argparse
 import json
 from pathlib import Path
 
+import launcher
 import training
 from checkpointing import METRICS
-from data import UsageError
+from errors import UsageError
 
 
 def read_metrics(out_dir: str) -> list[dict]:
@@ -75,4 +76,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    training.run(main)
+    launcher.exit_on_usage_error(main)

@@ -4,27 +4,35 @@ DDP; the two scripts hold exactly the parts that differ.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
 import math
 import re
 import signal
-import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
+import checkpointing
 import data
-from checkpointing import CHECKPOINT, CONFIG, METRICS, MODEL, TOKENIZER, atomic_save, is_rank0
-from data import UsageError
+from checkpointing import CHECKPOINT, CONFIG, METRICS, MODEL, TOKENIZER, atomic_save
+from errors import UsageError
+from launcher import is_rank0, restart_count
 from model import PRESETS, LlamaConfig, LlamaForPretraining
 
 
-def flag(default, help, **kwargs):
-    return field(default=default, metadata={"help": help, **kwargs})
+def flag(default, help, minimum=None, number=None, same_on_resume=False, ddp_only=False, **argparse_kwargs):
+    """A field of TrainConfig and the flag that sets it. minimum: the smallest int allowed;
+    number: "positive" or "non-negative" for a float; same_on_resume: a resumed run must
+    keep the value (it decides the model, the data, the global batch or the LR schedule);
+    ddp_only: a flag of train_ddp.py alone."""
+    return field(default=default, metadata=dict(help=help, minimum=minimum, number=number, ddp_only=ddp_only,
+                                                 same_on_resume=same_on_resume, argparse=argparse_kwargs))
 
 
 @dataclass
@@ -34,44 +42,56 @@ class TrainConfig:
 
     # data
     dataset: str = flag(data.EMBEDDED_CORPUS, "Hub dataset id, a local .txt/.jsonl/.json/.parquet file "
-                        "or folder of them, or 'stdlib': the embedded corpus (Python's own standard library)")
-    dataset_config: str | None = flag(None, "Hub dataset configuration, e.g. sample-10BT", type=str)
-    split: str | None = flag(None, "Hub dataset split (default: train)", type=str)
-    text_column: str = flag("text", "column that holds the documents")
-    val_docs: int | None = flag(None, "documents held out for validation (default: 1%%, at most 1000)", type=int)
+                        "or folder of them, or 'stdlib': the embedded corpus (Python's own standard library)",
+                        same_on_resume=True)
+    dataset_config: str | None = flag(None, "Hub dataset configuration, e.g. sample-10BT", same_on_resume=True,
+                                      type=str)
+    split: str | None = flag(None, "Hub dataset split (default: train)", same_on_resume=True, type=str)
+    text_column: str = flag("text", "column that holds the documents", same_on_resume=True)
+    val_docs: int | None = flag(None, "documents held out for validation (default: 1%%, at most 1000)", minimum=1,
+                                same_on_resume=True, type=int)
     tokenizer: str | None = flag(None, "tokenizer.json to use instead of training a BPE", type=str)
-    vocab_size: int | None = flag(None, "BPE vocabulary size to train", type=int)
+    vocab_size: int | None = flag(None, "BPE vocabulary size to train", minimum=256 + len(data.SPECIAL_TOKENS),
+                                  same_on_resume=True, type=int)  # every byte, plus the special tokens
     # model and batch
-    model: str = flag("tiny", "model preset", choices=sorted(PRESETS))
-    dtype: str = flag("auto", "compute dtype; weights and optimizer state stay fp32. auto: bf16 on GPUs "
-                      "that support it and on CPUs with AMX, else fp32", choices=["auto", "fp32", "bf16"])
+    model: str = flag("tiny", "model preset", same_on_resume=True, choices=sorted(PRESETS))
+    dtype: str = flag("auto", "compute dtype; weights and optimizer state stay fp32. auto: bf16 on GPUs with "
+                      "native bf16 and on CPUs with AMX, else fp32", choices=["auto", "fp32", "bf16"])
     compile: bool = flag(False, "torch.compile the model (the inner module, before DDP wraps it)")
-    seq_len: int | None = flag(None, "tokens per sequence", type=int)
-    batch_size: int | None = flag(None, "GLOBAL sequences per optimizer step (all ranks, all micro-batches)", type=int)
-    grad_accum: int = flag(1, "micro-batches per optimizer step")
+    seq_len: int | None = flag(None, "tokens per sequence", minimum=1, same_on_resume=True, type=int)
+    batch_size: int | None = flag(None, "GLOBAL sequences per optimizer step (all ranks, all micro-batches)",
+                                  minimum=1, same_on_resume=True, type=int)
+    grad_accum: int = flag(1, "micro-batches per optimizer step", minimum=1)
     # optimization (REFERENCE.md's recipe)
-    epochs: int = flag(3, "passes over the training data")
-    max_steps: int | None = flag(None, "optimizer steps (default: all epochs); also sets the LR schedule's length", type=int)
-    lr: float = flag(1e-3, "peak learning rate")
-    warmup_steps: int | None = flag(None, "linear warmup from 0.1x to 1x the peak LR, then cosine to 0", type=int)
-    weight_decay: float = flag(0.1, "AdamW weight decay (matrices and embeddings only)")
-    grad_clip: float = flag(1.0, "clip the global gradient L2 norm to this (0: off)")
-    seed: int = flag(1337, "seed for weights, data order and the validation split")
+    epochs: int = flag(3, "passes over the training data", minimum=1, same_on_resume=True)
+    max_steps: int | None = flag(None, "optimizer steps (default: all epochs); also sets the LR schedule's length",
+                                 minimum=1, same_on_resume=True, type=int)
+    lr: float = flag(1e-3, "peak learning rate", number="positive", same_on_resume=True)
+    warmup_steps: int | None = flag(None, "linear warmup from 0.1x to 1x the peak LR, then cosine to 0", minimum=0,
+                                    same_on_resume=True, type=int)
+    weight_decay: float = flag(0.1, "AdamW weight decay (matrices and embeddings only)", number="non-negative",
+                               same_on_resume=True)
+    grad_clip: float = flag(1.0, "clip the global gradient L2 norm to this (0: off)", number="non-negative",
+                            same_on_resume=True)
+    seed: int = flag(1337, "seed for weights, data order and the validation split", same_on_resume=True)
     # output
     out_dir: str = flag("out", "folder for checkpoint.pt, model.pt, tokenizer.json, config.json, metrics.jsonl")
-    save_every: int | None = flag(None, "save a checkpoint every N steps (and at the end)", type=int)
-    eval_every: int | None = flag(None, "evaluate on the held-out split every N steps (and at the end)", type=int)
-    log_every: int = flag(10, "log the loss every N steps")
+    save_every: int | None = flag(None, "save a checkpoint every N steps (and at the end)", minimum=1, type=int)
+    eval_every: int | None = flag(None, "evaluate on the held-out split every N steps (and at the end)", minimum=1,
+                                  type=int)
+    log_every: int = flag(10, "log the loss every N steps", minimum=1)
     resume: bool = flag(False, "continue the run in --out-dir from its checkpoint.pt")
-    stop_at_step: int | None = flag(None, "save and exit after this step; continue later with --resume", type=int)
-    keep_checkpoints: int = flag(2, "numbered checkpoints to keep; checkpoint.pt is always the newest")
-    backend: str | None = flag(None, "process-group backend (default: nccl on CUDA, gloo on CPU)", type=str,
-                               choices=["nccl", "gloo"], ddp_only=True)
+    stop_at_step: int | None = flag(None, "save and exit after this step; continue later with --resume", minimum=1,
+                                    type=int)
+    keep_checkpoints: int = flag(2, "numbered checkpoints to keep; checkpoint.pt is always the newest", minimum=1)
+    # distributed (train_ddp.py)
+    backend: str | None = flag(None, "process-group backend (default: nccl on CUDA, gloo on CPU)", ddp_only=True,
+                               type=str, choices=["nccl", "gloo"])
     timeout_minutes: float = flag(30.0, "how long a training collective may wait for the slowest rank before "
-                                  "the job fails (PyTorch's default is 10)", ddp_only=True)
+                                  "the job fails (PyTorch's default is 10)", number="positive", ddp_only=True)
     data_timeout_minutes: float = flag(24 * 60.0, "how long ranks wait for local rank 0 to download, train the "
                                        "tokenizer and tokenize (hours, for a large corpus on a cold cache)",
-                                       ddp_only=True)
+                                       number="positive", ddp_only=True)
 
 
 # Defaults that depend on --model. `article` is REFERENCE.md's recipe; `tiny` is the demo
@@ -83,12 +103,6 @@ TRAINING_PRESETS = {
                     save_every=1000, eval_every=1000),
 }
 
-# Flags that must not change when a run is resumed: they decide the model, the data, the
-# global batch or the LR schedule. --grad-accum and the world size may change freely.
-RESUME_KEYS = ("dataset", "dataset_config", "split", "text_column", "val_docs", "vocab_size", "model",
-               "seq_len", "batch_size", "epochs", "max_steps", "lr", "warmup_steps", "weight_decay",
-               "grad_clip", "seed")
-
 
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line, not argparse's usage block
@@ -98,15 +112,14 @@ class ArgumentParser(argparse.ArgumentParser):
 def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConfig:
     parser = ArgumentParser(description=description)
     for f in dataclasses.fields(TrainConfig):
-        meta = dict(f.metadata)
-        if meta.pop("ddp_only", False) and not ddp:
+        if f.metadata["ddp_only"] and not ddp:
             continue
         name = "--" + f.name.replace("_", "-")
         if f.type is bool or f.type == "bool":
-            parser.add_argument(name, action="store_true", help=meta["help"])
+            parser.add_argument(name, action="store_true", help=f.metadata["help"])
         else:
-            meta.setdefault("type", type(f.default))
-            parser.add_argument(name, default=f.default, **meta)
+            kwargs = {"type": type(f.default), **f.metadata["argparse"]}
+            parser.add_argument(name, default=f.default, help=f.metadata["help"], **kwargs)
     cfg = TrainConfig(**vars(parser.parse_args(argv)))
     if cfg.tokenizer and cfg.vocab_size is not None:
         raise UsageError("--vocab-size sets the size of a tokenizer to train; --tokenizer brings its own")
@@ -118,51 +131,52 @@ def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConf
 
 
 def validate(cfg: TrainConfig):
-    for key in ("seq_len", "batch_size", "grad_accum", "epochs", "max_steps", "warmup_steps", "save_every",
-                "eval_every", "log_every", "stop_at_step", "val_docs", "keep_checkpoints"):
-        value = getattr(cfg, key)
-        minimum = 0 if key == "warmup_steps" else 1
-        if value is not None and value < minimum:
-            raise UsageError(f"--{key.replace('_', '-')} must be at least {minimum}, got {value}")
-    for key, value, positive in (("lr", cfg.lr, True), ("timeout-minutes", cfg.timeout_minutes, True),
-                                 ("data-timeout-minutes", cfg.data_timeout_minutes, True),
-                                 ("weight-decay", cfg.weight_decay, False), ("grad-clip", cfg.grad_clip, False)):
-        if not (math.isfinite(value) and value >= 0) or (positive and value == 0):
-            raise UsageError(f"--{key} must be a {'positive' if positive else 'non-negative'} number, got {value}")
-    min_vocab = 256 + len(data.SPECIAL_TOKENS)  # every byte, plus the special tokens
-    if cfg.vocab_size is not None and cfg.vocab_size < min_vocab:
-        raise UsageError(f"--vocab-size must be at least {min_vocab}, got {cfg.vocab_size}")
+    """Every value within the bounds its field declares, then what no single field knows."""
+    for f in dataclasses.fields(cfg):
+        value, name = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
+        minimum, number = f.metadata["minimum"], f.metadata["number"]
+        if minimum is not None and value is not None and value < minimum:
+            raise UsageError(f"{name} must be at least {minimum}, got {value}")
+        if number and not (math.isfinite(value) and (value > 0 if number == "positive" else value >= 0)):
+            raise UsageError(f"{name} must be a {number} number, got {value}")
     max_pos = PRESETS[cfg.model]["max_position_embeddings"]
     if cfg.seq_len > max_pos:
         raise UsageError(f"--seq-len {cfg.seq_len} exceeds the {cfg.model} model's {max_pos} positions")
     data.check_dataset_flags(cfg.dataset, cfg.dataset_config, cfg.split)
 
 
-def check_batch(cfg: TrainConfig, world_size: int) -> int:
-    """Return the per-process micro-batch size: global batch / (world size x grad accum)."""
+def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
+    """Sequences per process and micro-step: the global batch / (world size x grad accum)."""
     if cfg.batch_size % (world_size * cfg.grad_accum):
         raise UsageError(f"--batch-size {cfg.batch_size} is not divisible by world size {world_size} "
                          f"x --grad-accum {cfg.grad_accum}")
     return cfg.batch_size // (world_size * cfg.grad_accum)
 
 
-class RankError(UsageError):
-    """An error that only this rank meets (it stopped waiting for the others): this rank
-    prints it, whatever its number."""
-
-
-def run(main):
-    """Call main(); turn a UsageError into one line on stderr and exit status 2."""
-    try:
-        main()
-    except UsageError as e:
-        if is_rank0() or isinstance(e, RankError):  # every rank sees a UsageError: print it once
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
 # ---------------------------------------------------------------------------------------
-# Data: three stages, so the DDP script can run each on the right ranks
+# Data: four stages, so the DDP script can run each on the right ranks
+
+
+class OneProcess:
+    """How a single process runs the stages of prepare_data: each one, once, here.
+    (train_ddp.py passes launcher.InTurns, which runs them across ranks.)"""
+
+    def everywhere(self, fn):
+        return fn()
+
+    local_rank0_first = from_rank0 = everywhere
+
+
+def prepare_data(cfg: TrainConfig, turns=OneProcess()):
+    """The checkpoint to resume from (None for a new run), the tokenizer, and the training
+    and held-out datasets. Tokenized once: `datasets` caches the result on disk."""
+    resuming = turns.everywhere(lambda: checkpointing.resuming(cfg.out_dir, cfg.resume))  # refuses to overwrite a run
+    ckpt = turns.everywhere(lambda: checkpointing.load_latest_checkpoint(cfg.out_dir)) if resuming else None
+    train_text, val_text = turns.local_rank0_first(lambda: load_text(cfg))
+    # one tokenizer for the whole job: rank 0 trains (or loads) it and sends it to all
+    tokenizer = Tokenizer.from_str(turns.from_rank0(lambda: get_tokenizer(cfg, train_text, resuming).to_str()))
+    train_ds, val_ds = turns.local_rank0_first(lambda: make_datasets(cfg, tokenizer, train_text, val_text))
+    return ckpt, tokenizer, train_ds, val_ds
 
 
 def load_text(cfg: TrainConfig):
@@ -262,19 +276,28 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
 # Resuming
 
 
-def check_resume(ckpt: dict, cfg: TrainConfig, model: LlamaForPretraining, steps_per_epoch: int):
-    """A resumed run must be the same run: same model, data, global batch and schedule."""
+def resume(ckpt: dict | None, cfg: TrainConfig, model, optimizer, scheduler, steps_per_epoch: int) -> int:
+    """Load a checkpoint into freshly built objects (on every rank) and return its step; 0
+    for a new run. A resumed run must be the same run: same model, data, global batch and
+    schedule (the flags marked same_on_resume)."""
+    if ckpt is None:
+        return 0
     ours = dataclasses.asdict(model.config)
     for key, value in ckpt["model_config"].items():
         if ours.get(key) != value:
             raise UsageError(f"checkpoint's model has {key}={value}, this run's has {ours.get(key)}")
-    for key in RESUME_KEYS:
-        if ckpt["train_config"].get(key) != getattr(cfg, key):
-            raise UsageError(f"--{key.replace('_', '-')} was {ckpt['train_config'].get(key)!r} in the "
-                             f"checkpoint's run, now {getattr(cfg, key)!r}: resume with the same value")
+    for f in dataclasses.fields(cfg):
+        was, now = ckpt["train_config"].get(f.name), getattr(cfg, f.name)
+        if f.metadata["same_on_resume"] and was != now:
+            raise UsageError(f"--{f.name.replace('_', '-')} was {was!r} in the checkpoint's run, now {now!r}: "
+                             "resume with the same value")
     if ckpt["steps_per_epoch"] != steps_per_epoch:
         raise UsageError(f"the dataset changed since the checkpoint ({steps_per_epoch} steps per epoch, "
                          f"was {ckpt['steps_per_epoch']})")
+    step = checkpointing.restore(ckpt, model, optimizer, scheduler)
+    if is_rank0():
+        print(f"resumed from {ckpt['path']} at step {step} (restart {restart_count()})")
+    return step
 
 
 class StopSignal:
@@ -339,6 +362,60 @@ def throughput(seconds: float, steps: int, cfg: TrainConfig, nonpad_tokens: floa
     if peak:
         speed["mfu"] = speed["tflops"] / peak
     return speed
+
+
+class Speedometer:
+    """Times the optimizer steps between two reports; the time spent inside paused()
+    (saving, evaluating) is left out."""
+
+    def __init__(self, cfg: TrainConfig, flops_per_token: int, peak: float | None):
+        self.cfg, self.flops_per_token, self.peak = cfg, flops_per_token, peak
+        self.start, self.steps = time.perf_counter(), 0
+
+    def step(self):
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def paused(self):
+        pause = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - pause
+
+    def report(self, nonpad_tokens: float) -> dict:
+        """The metrics.jsonl speed fields since the last report; then start over."""
+        now = time.perf_counter()
+        speed = throughput(now - self.start, self.steps, self.cfg, nonpad_tokens, self.flops_per_token, self.peak)
+        self.start, self.steps = now, 0
+        return speed
+
+
+def progress(loss: float, speed: dict) -> dict:
+    """What the progress bar shows next to the step count."""
+    shown = {"loss": f"{loss:.3f}", "tok_s": f"{speed['tokens_per_s']:,.0f}", "tflops": f"{speed['tflops']:.3g}"}
+    return {**shown, "mfu": f"{speed['mfu']:.1%}"} if "mfu" in speed else shown
+
+
+def next_micro_batches(batches, grad_accum: int, device: torch.device) -> list:
+    """The grad_accum (inputs, targets) micro-batches of one optimizer step, on the device."""
+    micro_batches = []
+    for _ in range(grad_accum):
+        x, y = next(batches)
+        micro_batches.append((x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
+    return micro_batches
+
+
+def describe(model: LlamaForPretraining, train_ds, steps_per_epoch: int, total_steps: int, micro_batch: int,
+             cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """The line printed as training starts (with the ranks and backend under DDP)."""
+    ddp = torch.distributed.is_initialized()
+    ranks = f" x {torch.distributed.get_world_size()} ranks" if ddp else ""
+    backend = f" ({torch.distributed.get_backend()})" if ddp else ""
+    return (f"{model.num_parameters() / 1e6:.1f}M parameters | {len(train_ds)} training sequences | "
+            f"{steps_per_epoch} steps per epoch | {total_steps} steps | {micro_batch} sequences x "
+            f"{cfg.grad_accum} micro-steps per step{ranks} | device {device}{backend} "
+            f"| {dtype}{' | compiled' if cfg.compile else ''}")
 
 
 class MetricsLog:

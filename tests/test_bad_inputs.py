@@ -140,7 +140,7 @@ def test_an_error_under_torchrun_is_printed_once_and_ends_every_rank(tmp_path, c
 
 
 # Every flag that takes a value, given a bad one. These run in-process through the same
-# entry point as `python train_dp.py` (training.run(main)), so there are many and they are fast.
+# entry point as `python train_ddp.py` (launcher.exit_on_usage_error(main)), so there are many and they are fast.
 BAD_FLAGS = [
     ("--max-steps", "0", "--max-steps must be at least 1"),
     ("--max-steps", "-5", "--max-steps must be at least 1"),
@@ -180,13 +180,14 @@ BAD_FLAGS = [
     ("--out-dir", "{a_file}", "exists and is not a folder"),
     ("--backend", "mpi", "argument --backend: invalid choice: 'mpi'"),
     ("--timeout-minutes", "0", "--timeout-minutes must be a positive number"),
+    ("--data-timeout-minutes", "-1", "--data-timeout-minutes must be a positive number"),
 ]
 
 
 @pytest.mark.parametrize("flag, value, message", BAD_FLAGS, ids=[f"{f}={v}" for f, v, _ in BAD_FLAGS])
 def test_every_flag_rejects_a_bad_value(tmp_path, corpus, monkeypatch, capsys, flag, value, message):
+    import launcher
     import train_ddp
-    import training
     (tmp_path / "garbage.parquet").write_bytes(b"this is not parquet")
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{not json\n')
     (tmp_path / "a_file").write_text("precious")
@@ -200,7 +201,7 @@ def test_every_flag_rejects_a_bad_value(tmp_path, corpus, monkeypatch, capsys, f
     argv = ["train_ddp.py", "--dataset", str(corpus), *fast, "--out-dir", str(out), flag, fill.get(value, value)]
     monkeypatch.setattr("sys.argv", argv)
     with pytest.raises(SystemExit) as exit_info:
-        training.run(train_ddp.main)  # a world of one; every flag of train_dp.py is here too
+        launcher.exit_on_usage_error(train_ddp.main)  # a world of one; every flag of train_dp.py is here too
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import data
-from data import BOT, EOT, PAD, PaddedSequenceDataset, ResumableDistributedSampler, UsageError
+from data import BOT, EOT, PAD, PaddedSequenceDataset, ResumableDistributedSampler
+from errors import UsageError
 from model import IGNORE_INDEX
 
 DOCS = ["def add(a, b):\n    return a + b", "héllo wörld — ünïcode ✓", "x = [i * i for i in range(10)]"]

@@ -121,16 +121,13 @@ def test_the_side_groups_wait_as_long_as_they_should():
     preparation's group waits --data-timeout-minutes."""
     import datetime
     import torch.distributed as dist
-    import training
-    from train_ddp import side_groups
-    cfg = training.parse_args(["--data-timeout-minutes", "120"], ddp=True)
-    timeout = datetime.timedelta(minutes=7)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    from launcher import side_groups
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        prep, control = side_groups(cfg, "nccl", timeout)
+        prep, control = side_groups("nccl", timeout_minutes=7, data_timeout_minutes=120)
         waits = [group._get_backend(torch.device("cpu")).options._timeout for group in (prep, control)]
-        assert waits == [datetime.timedelta(minutes=120), timeout]
-        assert side_groups(cfg, "gloo", timeout)[1] is None  # under gloo the main group carries the flag
+        assert waits == [datetime.timedelta(minutes=120), datetime.timedelta(minutes=7)]
+        assert side_groups("gloo", 7, 120)[1] is None  # under gloo the main group carries the flag
     finally:
         dist.destroy_process_group()
 

@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import checkpointing
 import training
+from errors import UsageError
 from conftest import FAST, load_weights, max_weight_diff, metrics, run_script
 from model import LlamaConfig, LlamaForPretraining
 
@@ -52,7 +53,7 @@ def test_auto_picks_bf16_only_on_gpus_that_compute_it_natively(monkeypatch, gpu,
     if auto == torch.bfloat16:
         assert training.compute_dtype("bf16", device) == torch.bfloat16
     else:
-        with pytest.raises(training.UsageError, match=f"--dtype bf16: {gpu} has no native bf16"):
+        with pytest.raises(UsageError, match=f"--dtype bf16: {gpu} has no native bf16"):
             training.compute_dtype("bf16", device)
 
 
@@ -135,7 +136,8 @@ def test_bench_runs_every_row_and_writes_its_table(tmp_path):
 def _ddp_options_worker(rank, port, results):
     import os
     import torch.distributed as dist
-    from train_ddp import DDP, DDP_OPTIONS
+    from launcher import DDP_OPTIONS
+    from torch.nn.parallel import DistributedDataParallel as DDP
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -154,7 +156,7 @@ def _ddp_options_worker(rank, port, results):
 
 
 def test_ddp_keeps_gradients_in_its_buckets_and_sends_no_buffers_each_step():
-    """train_ddp.py's DDP_OPTIONS, on 2 gloo ranks: gradients are views into the all-reduce
+    """launcher.DDP_OPTIONS, as train_ddp.py builds DDP, on 2 gloo ranks: gradients are views into the all-reduce
     buckets (no copy in and out), and a forward broadcasts no buffers: rank 1's own RoPE table
     survives it (with DDP's default, rank 0's would overwrite it before every forward)."""
     import socket

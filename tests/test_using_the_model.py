@@ -17,7 +17,8 @@ import generate
 import plot_metrics
 import training
 from conftest import FAST, REPO, run_script
-from data import BOT, EOT, PAD, UsageError
+from data import BOT, EOT, PAD
+from errors import UsageError
 from model import LlamaConfig, LlamaForPretraining
 
 

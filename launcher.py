@@ -1,0 +1,137 @@
+"""Launcher plumbing: what a torchrun-launched script needs besides DDP itself. Who this
+process is, starting the process group on torchrun's store, data preparation in turns
+across ranks, DDP's options, and a clean exit. train_ddp.py keeps the lines that teach DDP;
+the rest lives here.
+"""
+
+import datetime
+import inspect
+import os
+import sys
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from errors import RankError, UsageError, first_line
+
+
+def is_rank0() -> bool:
+    """Rank 0 of a torchrun job, or a plain `python` run: the process that speaks."""
+    return int(os.environ.get("RANK", 0)) == 0
+
+
+def warn(message: str):
+    if is_rank0():
+        print(f"warning: {message}", file=sys.stderr)
+
+
+def restart_count() -> int:
+    """How often torchrun (--max-restarts) has restarted this job's workers."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def exit_on_usage_error(main):
+    """Call main(). A UsageError becomes one line on stderr (printed once, by rank 0) and
+    exit status 2. The process group, if any, is destroyed on every way out."""
+    try:
+        main()
+    except UsageError as e:
+        if is_rank0() or isinstance(e, RankError):  # every rank sees a UsageError: print it once
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# How DDP is built, for speed:
+# - gradient_as_bucket_view: gradients live inside DDP's all-reduce buckets, so no copy in
+#   and out of the buckets and no second set of gradient-sized tensors;
+# - no buffer sync before each forward: our only buffers are RoPE's cos/sin tables, which
+#   every rank computes identically, so broadcasting them every step is wasted traffic.
+#   (torch 2.13 renamed broadcast_buffers to forward_sync_buffers; torch 2.5 knows only the old name.)
+_DDP_ARGS = inspect.signature(DistributedDataParallel).parameters
+_SYNC_BUFFERS = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"
+DDP_OPTIONS = {"gradient_as_bucket_view": True, _SYNC_BUFFERS: False}
+
+
+def init_process_group(backend: str, timeout_minutes: float):
+    """dist.init_process_group on torchrun's store (or, under plain `python`, a world of one)."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    timeout = datetime.timedelta(minutes=timeout_minutes)  # how long a training collective may wait
+    if "RANK" in os.environ:  # MASTER_ADDR/PORT, RANK and WORLD_SIZE come from torchrun
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+        # torchrun shares its rendezvous store with the workers and keeps it when it restarts
+        # them (--max-restarts): keys of each attempt get their own prefix, or a restarted
+        # rank can read a dead peer's address and fail to connect (pytorch/pytorch#135712).
+        store = dist.PrefixStore(f"attempt{restart_count()}/", store)
+    else:
+        store = dist.HashStore()
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def side_groups(backend: str, timeout_minutes: float, data_timeout_minutes: float):
+    """Two small gloo groups beside the main one. `prep` carries the turns of data preparation:
+    on a cold cache local rank 0 may download and tokenize for hours while the others wait,
+    far longer than a training collective should ever take. `control` (NCCL only) carries the
+    per-step stop flag, which under NCCL would need a GPU tensor whose read-back stalls the
+    host; it waits as long as the training collectives do."""
+    prep = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=data_timeout_minutes))
+    control = (dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+               if backend == "nccl" else None)
+    return prep, control
+
+
+class InTurns:
+    """Runs the stages of data preparation across ranks (see training.prepare_data). Each
+    node's local rank 0 downloads and tokenizes first while the others wait, then they read
+    what `datasets` cached instead of racing to write the same files. A UsageError on any rank
+    is raised on every rank: all exit with its message, none hangs. The waits go over `group`,
+    bounded by --data-timeout-minutes."""
+
+    def __init__(self, group, local_rank: int):
+        self.group, self.local_rank = group, local_rank
+
+    def everywhere(self, fn):
+        return self._in_turns(fn, first=True)
+
+    def local_rank0_first(self, fn):
+        return self._in_turns(fn, first=self.local_rank == 0)
+
+    def _in_turns(self, fn, first: bool):
+        result = None
+        for my_turn in (first, not first):
+            error = None
+            if my_turn:
+                try:
+                    result = fn()
+                except UsageError as e:
+                    error = str(e)
+            errors = [None] * dist.get_world_size()
+            self._wait(dist.all_gather_object, errors, error)  # also the barrier after each turn
+            if any(errors):
+                raise UsageError(next(e for e in errors if e))
+        return result
+
+    def from_rank0(self, fn):
+        """Run fn on rank 0 only and give every rank its (picklable) result, or its UsageError."""
+        box = [None]
+        if dist.get_rank() == 0:
+            try:
+                box = [(fn(), None)]
+            except UsageError as e:
+                box = [(None, str(e))]
+        self._wait(dist.broadcast_object_list, box)
+        result, error = box[0]
+        if error:
+            raise UsageError(error)
+        return result
+
+    def _wait(self, collective, *args):
+        """Waiting longer than --data-timeout-minutes, or for a rank that died, ends this rank
+        with one line instead of gloo's traceback."""
+        try:
+            collective(*args, group=self.group)
+        except RuntimeError as e:
+            raise RankError(f"rank {dist.get_rank()} stopped waiting for data preparation "
+                            f"(--data-timeout-minutes): {first_line(e)}") from None
