@@ -6,8 +6,10 @@ a file crafted to run code on load is refused instead.
 """
 
 import dataclasses
+import fcntl
 import json
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -23,6 +25,46 @@ from model import LlamaConfig, LlamaForPretraining
 CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS = (
     "checkpoint.pt", "model.pt", "tokenizer.json", "config.json", "metrics.jsonl")
 RUN_FILES = (CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS)  # plus checkpoint-<step>.pt
+NUMBERED = re.compile(r"checkpoint-(\d{8,})\.pt")  # checkpoint-00000400.pt: the step, 8 digits or more
+
+
+def numbered_checkpoints(out: Path) -> list[Path]:
+    """The checkpoint-<step>.pt files this trainer wrote, oldest first. Only these exact names
+    are ever pruned or resumed from: a user's checkpoint-best.pt or copy is left alone."""
+    found = [(int(m.group(1)), p) for p in out.glob("checkpoint-*.pt") if (m := NUMBERED.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+_LOCKS = []  # open descriptors of the output folders this process holds, until it exits
+
+
+def lock_out_dir(out_dir: str):
+    """Hold an exclusive lock on the output folder for the rest of this process's life: an
+    flock on the folder itself, which the kernel releases when the process dies, however it
+    dies. A second run into the same folder fails here, with one line."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UsageError(f"another run is using {out}: wait for it to end, or choose another --out-dir") from None
+    _LOCKS.append(fd)
+
+
+def check_writable(out_dir: str):
+    """Before any data is loaded: --out-dir must be a folder this process can create or write."""
+    out = Path(out_dir or ".").absolute()
+    if not out_dir:
+        raise UsageError("--out-dir is empty: name a folder")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out-dir {out_dir} exists and is not a folder")
+    existing = next(p for p in [out, *out.parents] if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"--out-dir {out_dir}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--out-dir {out_dir}: no permission to write in {existing}")
 
 
 def resuming(out_dir: str, resume: bool) -> bool:
@@ -32,7 +74,7 @@ def resuming(out_dir: str, resume: bool) -> bool:
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out-dir {out} exists and is not a folder")
-    checkpoints = [p for p in [out / CHECKPOINT, *out.glob("checkpoint-*.pt")] if p.is_file()]
+    checkpoints = [p for p in [out / CHECKPOINT, *numbered_checkpoints(out)] if p.is_file()]
     if resume or (restart_count() and checkpoints):
         if not checkpoints:
             raise UsageError(f"nothing to resume: {out} holds no checkpoint")
@@ -52,7 +94,7 @@ def resuming(out_dir: str, resume: bool) -> bool:
 def load_latest_checkpoint(out_dir) -> dict:
     """checkpoint.pt or, if it cannot be read, the newest older checkpoint that can."""
     out = Path(out_dir)
-    candidates = [out / CHECKPOINT, *sorted(out.glob("checkpoint-*.pt"), reverse=True)]
+    candidates = [out / CHECKPOINT, *reversed(numbered_checkpoints(out))]
     failures = []
     for path in (p for p in candidates if p.is_file()):
         try:
@@ -62,7 +104,7 @@ def load_latest_checkpoint(out_dir) -> dict:
             continue
         if failures:
             warn(f"{failures[0]}; falling back to {path.name}")
-        ckpt["path"] = str(path)
+        ckpt["path"], ckpt["inode"] = str(path), path.stat().st_ino
         return ckpt
     raise UsageError(failures[0])
 
@@ -150,7 +192,7 @@ def save_checkpoint(state: dict, out_dir, keep: int):
         shutil.copyfile(numbered, link)
     os.replace(link, out / CHECKPOINT)
     _fsync_dir(out)
-    for old in sorted(out.glob("checkpoint-*.pt"))[:-keep]:
+    for old in numbered_checkpoints(out)[:-keep]:
         old.unlink()
 
 
@@ -218,7 +260,7 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
     if (out / MODEL).is_file():
         state = load_pt(out / MODEL, "weights")
     else:
-        if not any(out.glob("checkpoint*.pt")):
+        if not (out / CHECKPOINT).is_file() and not numbered_checkpoints(out):
             raise UsageError(f"{out} holds no {MODEL} and no checkpoint: nothing trained yet")
         ckpt = load_latest_checkpoint(out)
         warn(f"no {MODEL} in {out} (the run has not finished): using {Path(ckpt['path']).name}, "

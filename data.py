@@ -137,8 +137,10 @@ def load_corpus(dataset: str, dataset_config: str | None = None, split: str | No
 def _text_column(ds: datasets.Dataset, column: str, name: str) -> datasets.Dataset:
     if column not in ds.column_names:
         raise UsageError(f"dataset {name} has no column {column!r} (columns: {', '.join(ds.column_names)})")
-    if ds.features[column].dtype not in ("string", "large_string"):
-        raise UsageError(f"column {column!r} of dataset {name} holds {ds.features[column].dtype}, not text")
+    feature = ds.features[column]
+    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+        kind = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__.lower()
+        raise UsageError(f"column {column!r} of dataset {name} holds {kind}, not text")
     ds = ds.select_columns([column])
     return ds.rename_column(column, "text") if column != "text" else ds
 

@@ -11,13 +11,20 @@ import sys
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
 from errors import RankError, UsageError, first_line
 
 
 def is_rank0() -> bool:
-    """Rank 0 of a torchrun job, or a plain `python` run: the process that speaks."""
-    return int(os.environ.get("RANK", 0)) == 0
+    """Rank 0 of a job, or a plain `python` run: the process that speaks. Only processes that
+    really belong to a job keep quiet: members of a process group, and torchrun's workers
+    before it starts. A stray RANK variable in a plain run silences nothing."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun for its workers
+        return int(os.environ.get("RANK", 0)) == 0
+    return True
 
 
 def warn(message: str):
@@ -36,6 +43,8 @@ def exit_on_usage_error(main):
     try:
         main()
     except UsageError as e:
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()  # an open progress bar ends its line first: the error gets one of its own
         if is_rank0() or isinstance(e, RankError):  # every rank sees a UsageError: print it once
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

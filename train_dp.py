@@ -102,11 +102,14 @@ def main():
 
         if step % cfg.log_every == 0 or step == last_step:
             loss = (train_totals[0] / train_totals[1]).item()  # token-weighted mean since last log
+            training.stop_if_diverged(step, cfg, loss=loss)  # before anything is logged
             speed = speedometer.report(nonpad_tokens=train_totals[1].item())
             metrics.write(step=step, epoch=epoch, loss=loss, lr=lr, **speed)
             pbar.set_postfix(training.progress(loss, speed))
             train_totals.zero_()
         with speedometer.paused():  # saving and evaluation do not count as training time
+            if step % cfg.save_every == 0 or step == last_step or preempted:
+                training.stop_if_diverged(step, cfg, model=raw_model)  # on every rank, before saving
             if (step % cfg.save_every == 0 or step == last_step or preempted) and is_main:
                 state = checkpointing.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, steps_per_epoch)
                 writer.save(state)

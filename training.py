@@ -21,8 +21,8 @@ from tokenizers import Tokenizer
 import checkpointing
 import data
 from checkpointing import CHECKPOINT, CONFIG, METRICS, MODEL, TOKENIZER, atomic_save
-from errors import UsageError
-from launcher import is_rank0, restart_count
+from errors import UsageError, first_line
+from launcher import is_rank0, restart_count, warn
 from model import PRESETS, LlamaConfig, LlamaForPretraining
 
 
@@ -143,6 +143,12 @@ def validate(cfg: TrainConfig):
     if cfg.seq_len > max_pos:
         raise UsageError(f"--seq-len {cfg.seq_len} exceeds the {cfg.model} model's {max_pos} positions")
     data.check_dataset_flags(cfg.dataset, cfg.dataset_config, cfg.split)
+    checkpointing.check_writable(cfg.out_dir)
+    dataset = Path(cfg.dataset).expanduser()
+    inside = dataset.is_dir() and Path(cfg.out_dir).resolve().is_relative_to(dataset.resolve())
+    if inside and cfg.dataset != data.EMBEDDED_CORPUS:
+        raise UsageError(f"--out-dir {cfg.out_dir} is inside the --dataset folder {cfg.dataset}: the run would "
+                         "read its own files as data. Choose an --out-dir outside it")
 
 
 def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
@@ -171,19 +177,37 @@ def prepare_data(cfg: TrainConfig, turns=OneProcess()):
     """The checkpoint to resume from (None for a new run), the tokenizer, and the training
     and held-out datasets. Tokenized once: `datasets` caches the result on disk."""
     resuming = turns.everywhere(lambda: checkpointing.resuming(cfg.out_dir, cfg.resume))  # refuses to overwrite a run
-    ckpt = turns.everywhere(lambda: checkpointing.load_latest_checkpoint(cfg.out_dir)) if resuming else None
+    ckpt = turns.everywhere(lambda: load_run(cfg.out_dir)) if resuming else None
     train_text, val_text = turns.local_rank0_first(lambda: load_text(cfg))
     # one tokenizer for the whole job: rank 0 trains (or loads) it and sends it to all
     tokenizer = Tokenizer.from_str(turns.from_rank0(lambda: get_tokenizer(cfg, train_text, resuming).to_str()))
     train_ds, val_ds = turns.local_rank0_first(lambda: make_datasets(cfg, tokenizer, train_text, val_text))
+    turns.everywhere(lambda: claim_out_dir(cfg, ckpt))  # only now: a refused run creates nothing
     return ckpt, tokenizer, train_ds, val_ds
+
+
+def claim_out_dir(cfg: TrainConfig, ckpt: dict | None):
+    """Rank 0 locks --out-dir for the whole run, then checks that nothing changed there while
+    the data was prepared: no other run has saved into it since our first look."""
+    if not is_rank0():
+        return
+    checkpointing.lock_out_dir(cfg.out_dir)
+    checkpointing.resuming(cfg.out_dir, cfg.resume)  # a new run still finds no run there
+    path = Path(ckpt["path"]) if ckpt else None
+    if path and (not path.exists() or path.stat().st_ino != ckpt["inode"]):
+        raise UsageError(f"{ckpt['path']} changed while this run prepared its data (another run saved "
+                         "into the folder): start again")
 
 
 def load_text(cfg: TrainConfig):
     """The corpus, split into training and held-out documents."""
     corpus = data.load_corpus(cfg.dataset, cfg.dataset_config, cfg.split, cfg.text_column)
     val_docs = cfg.val_docs or data.default_val_docs(len(corpus))
-    return data.split_train_val(corpus, val_docs, cfg.seed)
+    train_text, val_text = data.split_train_val(corpus, val_docs, cfg.seed)
+    if len(train_text) < cfg.batch_size:  # one sequence per document: known before tokenizing
+        raise UsageError(f"dataset has {len(train_text)} training documents, fewer than one --batch-size "
+                         f"of {cfg.batch_size}")
+    return train_text, val_text
 
 
 def get_tokenizer(cfg: TrainConfig, train_text, resuming: bool) -> Tokenizer:
@@ -202,9 +226,6 @@ def make_datasets(cfg: TrainConfig, tokenizer: Tokenizer, train_text, val_text):
     pad_id = tokenizer.token_to_id(data.PAD)
     train = data.PaddedSequenceDataset(data.tokenize(train_text, tokenizer, cfg.seq_len), cfg.seq_len, pad_id)
     val = data.PaddedSequenceDataset(data.tokenize(val_text, tokenizer, cfg.seq_len), cfg.seq_len, pad_id)
-    if len(train) < cfg.batch_size:
-        raise UsageError(f"dataset has {len(train)} training documents, fewer than one --batch-size "
-                         f"of {cfg.batch_size}")
     return train, val
 
 
@@ -418,6 +439,49 @@ def describe(model: LlamaForPretraining, train_ds, steps_per_epoch: int, total_s
             f"| {dtype}{' | compiled' if cfg.compile else ''}")
 
 
+def stop_if_diverged(step: int, cfg: TrainConfig, loss: float | None = None, model: torch.nn.Module | None = None):
+    """Raise if the logged loss, or any weight about to be saved, is not finite: nothing
+    non-finite reaches metrics.jsonl or a checkpoint, and the older checkpoints stay good."""
+    weights_bad = model is not None and not all(torch.isfinite(p).all() for p in model.parameters())
+    if weights_bad or (loss is not None and not math.isfinite(loss)):
+        what = "weights are not finite" if weights_bad else f"loss is {loss}"
+        raise UsageError(f"training diverged: the {what} at step {step}. Start again with a lower --lr "
+                         f"(was {cfg.lr}) or a longer --warmup-steps (was {cfg.warmup_steps})")
+
+
+def read_metrics(path: Path, warn_if_torn: bool = True) -> list[dict]:
+    """The rows of a metrics.jsonl. A torn last line (what a crash or a full disk leaves
+    mid-write) is dropped with a warning and blank lines are skipped; any other damage is
+    a UsageError."""
+    if not path.exists():
+        return []
+    text = path.read_text(errors="replace")
+    lines = text.split("\n")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a row with a step")
+        except ValueError as e:
+            if number == len(lines):  # the last line, with no newline after it: torn
+                if warn_if_torn:
+                    warn(f"{path}: dropping its torn last line {line[:40]!r}")
+                continue
+            raise UsageError(f"{path}, line {number}: {first_line(e)}; repair or remove that line to resume") from None
+        rows.append(row)
+    return rows
+
+
+def load_run(out_dir: str) -> dict:
+    """What a resumed run continues: its newest readable checkpoint, and a metrics.jsonl
+    that can be read (the run appends to it)."""
+    read_metrics(Path(out_dir) / METRICS)
+    return checkpointing.load_latest_checkpoint(out_dir)
+
+
 class MetricsLog:
     """Appends one JSON object per logged step to metrics.jsonl (rank 0 only). A resumed
     (or restarted) run first drops the rows logged after its checkpoint: those steps are
@@ -427,8 +491,8 @@ class MetricsLog:
         self.path = Path(out_dir) / METRICS
         self.enabled = enabled
         if enabled and self.path.exists():
-            rows = self.path.read_text().splitlines(keepends=True)
-            atomic_save("".join(r for r in rows if json.loads(r)["step"] <= resume_step), self.path)
+            kept = [row for row in read_metrics(self.path, warn_if_torn=False) if row["step"] <= resume_step]
+            atomic_save("".join(json.dumps(row) + "\n" for row in kept), self.path)
 
     def write(self, **row):
         if self.enabled:

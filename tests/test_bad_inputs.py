@@ -62,6 +62,10 @@ FRESH_RUN_CASES = [
     ("zero-steps", "train_ddp.py", ["--max-steps", "0"], "--max-steps must be at least 1"),
     ("too-few-documents", "train_dp.py", ["--batch-size", "512"], "fewer than one --batch-size of 512"),
     ("resume-without-checkpoint", "train_dp.py", ["--resume"], "nothing to resume"),
+    ("text-column-of-numbers", "train_dp.py", ["--dataset", "{numbers}"], "column 'text' of dataset"),
+    ("text-column-of-lists", "train_ddp.py", ["--dataset", "{lists}"], "not text"),
+    ("text-column-of-objects", "train_dp.py", ["--dataset", "{nested}", "--text-column", "meta"],
+     "column 'meta' of dataset"),
 ]
 
 
@@ -69,8 +73,12 @@ FRESH_RUN_CASES = [
 def test_bad_invocation_of_a_new_run(tmp_path, corpus, plain_tokenizer, case, script, extra, message):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "c.jsonl").write_text(json.dumps({"text": "a document"}) + "\n")
+    (tmp_path / "numbers.jsonl").write_text(json.dumps({"text": 5}) + "\n")
+    (tmp_path / "lists.jsonl").write_text(json.dumps({"text": ["a", "b"]}) + "\n")
+    (tmp_path / "nested.jsonl").write_text(json.dumps({"text": "x", "meta": {"lang": "en"}}) + "\n")
     fill = {"{empty}": str(tmp_path / "empty.txt"), "{jsonl}": str(tmp_path / "c.jsonl"),
-            "{plain_tokenizer}": str(plain_tokenizer)}
+            "{plain_tokenizer}": str(plain_tokenizer), "{numbers}": str(tmp_path / "numbers.jsonl"),
+            "{lists}": str(tmp_path / "lists.jsonl"), "{nested}": str(tmp_path / "nested.jsonl")}
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("the user's own file")  # must survive untouched
@@ -112,6 +120,25 @@ def test_leftovers_of_a_run_that_never_saved_a_checkpoint_are_not_overwritten(tm
     (out / "metrics.jsonl").write_text('{"step": 10}\n')
     check_refused("train_dp.py", ["--dataset", str(corpus), *FAST], out,
                   "holds files of a run that never saved a checkpoint (tokenizer.json, metrics.jsonl)")
+
+
+def test_an_impossible_out_dir_is_refused_before_any_data_is_loaded(tmp_path):
+    """--out-dir under a regular file: refused first, before the (empty, so failing) dataset is read."""
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "README.md").write_text("a file")
+    out = tmp_path / "README.md" / "sub"
+    proc = run_script("train_dp.py", ["--dataset", str(tmp_path / "empty.txt"), *FAST, "--out-dir", str(out)],
+                      check=False)
+    assert proc.returncode == 2 and proc.stderr == f"error: --out-dir {out}: {tmp_path / 'README.md'} is a file, not a folder\n"
+
+
+def test_an_out_dir_inside_the_dataset_folder_is_refused(tmp_path, corpus):
+    """The run's own .json/.jsonl files would be read back as data, and no resume could work."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "corpus.txt").write_text(corpus.read_text())
+    check_refused("train_dp.py", ["--dataset", str(data_dir), *FAST], data_dir / "run1",
+                  "is inside the --dataset folder")
 
 
 def test_out_dir_that_is_a_file_is_refused(tmp_path, corpus):
@@ -206,3 +233,13 @@ def test_every_flag_rejects_a_bad_value(tmp_path, corpus, monkeypatch, capsys, f
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("train_dp.py", ["--dataset", "missing.txt"], "dataset file or folder not found: missing.txt"),
+    ("generate.py", ["nowhere"], "nowhere is not an output folder"),
+])
+def test_a_stray_rank_variable_outside_torchrun_hides_no_error(tmp_path, script, args, message):
+    """RANK=1 left in a shell (or set by another tool) is not a job: the error still shows."""
+    proc = run_script(script, [*args], env={"RANK": "1"}, check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr

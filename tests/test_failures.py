@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import checkpointing
+from errors import UsageError
 from conftest import FAST, REPO, ddp_two_ranks, launch_env, load_weights, max_weight_diff, metrics, run_script, without_speed
 
 
@@ -132,6 +133,29 @@ def test_the_side_groups_wait_as_long_as_they_should():
         dist.destroy_process_group()
 
 
+def test_two_runs_cannot_share_an_out_dir(runs, tmp_path):
+    """While a run holds --out-dir (here this test process, as if it were a run in progress),
+    another run into it stops with one line and writes nothing; once the holder dies, the
+    folder is free again, with no stale lock to clean up."""
+    import signal
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, checkpointing; "
+                               f"checkpointing.lock_out_dir({str(out)!r}); print('locked', flush=True); sys.stdin.read()"],
+                              cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"  # the holder has the lock from here on
+        proc = run_script("train_dp.py", train_args(runs, out), check=False)
+        ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert proc.returncode != 0 and ours == [f"error: another run is using {out}: wait for it to end, "
+                                                 "or choose another --out-dir"], proc.stderr
+        assert list(out.iterdir()) == []
+    finally:
+        holder.send_signal(signal.SIGKILL)  # dies without any cleanup
+        holder.wait()
+    run_script("train_dp.py", train_args(runs, out))
+    assert max_weight_diff(load_weights(runs("dp", "train_dp.py")), load_weights(out)) == 0.0
+
+
 # ---- torn writes ------------------------------------------------------------------------
 
 class Crash(Exception):
@@ -189,6 +213,50 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "checkpoint-00000008.pt", "checkpoint-00000012.pt", "checkpoint.pt"]
     assert (tmp_path / "checkpoint.pt").samefile(tmp_path / "checkpoint-00000012.pt")
+
+
+def test_only_the_checkpoints_the_trainer_names_are_pruned_or_resumed_from(tmp_path):
+    """A user's copies (checkpoint-best.pt, checkpoint-00000004-keep.pt) are neither deleted
+    by --keep-checkpoints nor taken for a newer checkpoint; nor do they take a kept slot."""
+    for step in (4, 8):
+        checkpointing.save_checkpoint(state_at(step), tmp_path, keep=2)
+    shutil.copy(tmp_path / "checkpoint-00000004.pt", tmp_path / "checkpoint-00000004-keep.pt")
+    torch.save(state_at(99), tmp_path / "checkpoint-best.pt")
+    checkpointing.save_checkpoint(state_at(12), tmp_path, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint-00000004-keep.pt", "checkpoint-00000012.pt", "checkpoint-best.pt", "checkpoint.pt"]
+    (tmp_path / "checkpoint.pt").write_bytes(b"torn")  # the newest is unreadable under both names
+    (tmp_path / "checkpoint-00000012.pt").write_bytes(b"torn")
+    with pytest.raises(UsageError, match="cannot load checkpoint"):
+        checkpointing.load_latest_checkpoint(tmp_path)  # never checkpoint-best.pt's step 99
+
+
+@pytest.mark.parametrize("damage", ['{"step": 5, "epo', "\n\n  \n"])
+def test_a_torn_last_metrics_line_or_blank_lines_do_not_block_a_resume(runs, tmp_path, damage):
+    """A crash or a full disk can leave half a row at the end of metrics.jsonl. Resume drops
+    it (with a warning if it was a torn row) and ends like an uninterrupted run."""
+    reference = runs("dp", "train_dp.py")
+    out = tmp_path / "run"
+    shutil.copytree(runs("dp_stop4", "train_dp.py", ["--stop-at-step", "4"]), out)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(damage)
+    proc = run_script("train_dp.py", train_args(runs, out, "--resume"))
+    assert ("dropping its torn last line" in proc.stderr) == ("{" in damage)
+    assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
+    assert without_speed(metrics(out)) == without_speed(metrics(reference))
+
+
+def test_a_damaged_metrics_line_is_one_line_before_anything_is_written(runs, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(runs("dp_stop4", "train_dp.py", ["--stop-at-step", "4"]), out)
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join([rows[0], "not json", *rows[1:]]) + "\n")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    proc = run_script("train_ddp.py", train_args(runs, out, "--resume"), nproc=2, check=False)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert ours == [f"error: {out}/metrics.jsonl, line 2: Expecting value: line 1 column 1 (char 0); "
+                    "repair or remove that line to resume"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_an_unreadable_newest_checkpoint_falls_back_to_the_older_one(runs, tmp_path):
@@ -280,3 +348,28 @@ def test_a_checkpoint_crafted_to_run_code_is_refused_and_runs_nothing(runs, tmp_
     assert not marker.exists()
     torch.load(out / "model.pt", weights_only=False)  # the file really is hostile:
     assert marker.exists()  # without weights_only it runs its command
+
+
+@pytest.mark.parametrize("script, nproc", [("train_dp.py", 0), ("train_ddp.py", 2)])
+def test_a_diverging_run_stops_with_one_line_and_saves_nothing_non_finite(runs, tmp_path, script, nproc):
+    """--lr 100 blows up within a few steps. The run stops at the first non-finite loss or
+    weights, names the step, exits non-zero, and leaves only finite checkpoints and valid JSON."""
+    import json
+    import math
+    out = tmp_path / "run"
+    args = train_args(runs, out, "--lr", "100", "--warmup-steps", "0", "--max-steps", "20", "--save-every", "1")
+    proc = run_script(script, args, nproc=nproc, check=False)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(ours) == 1, proc.stderr
+    assert ours[0].startswith("error: training diverged: the ") and "Start again with a lower --lr (was 100.0)" in ours[0]
+    assert not (out / "model.pt").exists()
+    saved = sorted(out.glob("checkpoint-*.pt"))
+    assert saved  # the steps before the divergence were saved...
+    for ckpt in saved:  # ...and every one of them holds finite weights
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)["model"]
+        assert all(torch.isfinite(w).all() for w in state.values()), ckpt.name
+
+    def no_nan(text):
+        raise ValueError(f"{text} is not JSON")
+    rows = [json.loads(line, parse_constant=no_nan) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(row.get("loss", 0.0)) for row in rows)
