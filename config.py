@@ -1,0 +1,148 @@
+"""The flags of train_dp.py and train_ddp.py: one typed dataclass, TrainConfig, whose
+fields declare their defaults, their bounds and whether a resumed run must keep them;
+the presets of --model; and the checks that run before anything else does.
+"""
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import checkpointing
+import data
+from errors import UsageError
+from model import PRESETS
+
+
+def flag(default, help, minimum=None, number=None, same_on_resume=False, ddp_only=False, **argparse_kwargs):
+    """A field of TrainConfig and the flag that sets it. minimum: the smallest int allowed;
+    number: "positive" or "non-negative" for a float; same_on_resume: a resumed run must
+    keep the value (it decides the model, the data, the global batch or the LR schedule);
+    ddp_only: a flag of train_ddp.py alone."""
+    return field(default=default, metadata=dict(help=help, minimum=minimum, number=number, ddp_only=ddp_only,
+                                                 same_on_resume=same_on_resume, argparse=argparse_kwargs))
+
+
+@dataclass
+class TrainConfig:
+    """Every flag of both scripts. `None` for a preset-dependent field means "take it
+    from TRAINING_PRESETS for --model"."""
+
+    # data
+    dataset: str = flag(data.EMBEDDED_CORPUS, "Hub dataset id, a local .txt/.jsonl/.json/.parquet file "
+                        "or folder of them, or 'stdlib': the embedded corpus (Python's own standard library)",
+                        same_on_resume=True)
+    dataset_config: str | None = flag(None, "Hub dataset configuration, e.g. sample-10BT", same_on_resume=True,
+                                      type=str)
+    split: str | None = flag(None, "Hub dataset split (default: train)", same_on_resume=True, type=str)
+    text_column: str = flag("text", "column that holds the documents", same_on_resume=True)
+    val_docs: int | None = flag(None, "documents held out for validation (default: 1%%, at most 1000)", minimum=1,
+                                same_on_resume=True, type=int)
+    tokenizer: str | None = flag(None, "tokenizer.json to use instead of training a BPE", type=str)
+    vocab_size: int | None = flag(None, "BPE vocabulary size to train", minimum=256 + len(data.SPECIAL_TOKENS),
+                                  same_on_resume=True, type=int)  # every byte, plus the special tokens
+    # model and batch
+    model: str = flag("tiny", "model preset", same_on_resume=True, choices=sorted(PRESETS))
+    dtype: str = flag("auto", "compute dtype; weights and optimizer state stay fp32. auto: bf16 on GPUs with "
+                      "native bf16 and on CPUs with AMX, else fp32", choices=["auto", "fp32", "bf16"])
+    compile: bool = flag(False, "torch.compile the model (the inner module, before DDP wraps it)")
+    seq_len: int | None = flag(None, "tokens per sequence", minimum=1, same_on_resume=True, type=int)
+    batch_size: int | None = flag(None, "GLOBAL sequences per optimizer step (all ranks, all micro-batches)",
+                                  minimum=1, same_on_resume=True, type=int)
+    grad_accum: int = flag(1, "micro-batches per optimizer step", minimum=1)
+    # optimization (REFERENCE.md's recipe)
+    epochs: int = flag(3, "passes over the training data", minimum=1, same_on_resume=True)
+    max_steps: int | None = flag(None, "optimizer steps (default: all epochs); also sets the LR schedule's length",
+                                 minimum=1, same_on_resume=True, type=int)
+    lr: float = flag(1e-3, "peak learning rate", number="positive", same_on_resume=True)
+    warmup_steps: int | None = flag(None, "linear warmup from 0.1x to 1x the peak LR, then cosine to 0", minimum=0,
+                                    same_on_resume=True, type=int)
+    weight_decay: float = flag(0.1, "AdamW weight decay (matrices and embeddings only)", number="non-negative",
+                               same_on_resume=True)
+    grad_clip: float = flag(1.0, "clip the global gradient L2 norm to this (0: off)", number="non-negative",
+                            same_on_resume=True)
+    seed: int = flag(1337, "seed for weights, data order and the validation split", same_on_resume=True)
+    # output
+    out_dir: str = flag("out", "folder for checkpoint.pt, model.pt, tokenizer.json, config.json, metrics.jsonl")
+    save_every: int | None = flag(None, "save a checkpoint every N steps (and at the end)", minimum=1, type=int)
+    eval_every: int | None = flag(None, "evaluate on the held-out split every N steps (and at the end)", minimum=1,
+                                  type=int)
+    log_every: int = flag(10, "log the loss every N steps", minimum=1)
+    resume: bool = flag(False, "continue the run in --out-dir from its checkpoint.pt")
+    stop_at_step: int | None = flag(None, "save and exit after this step; continue later with --resume", minimum=1,
+                                    type=int)
+    keep_checkpoints: int = flag(2, "numbered checkpoints to keep; checkpoint.pt is always the newest", minimum=1)
+    # distributed (train_ddp.py)
+    backend: str | None = flag(None, "process-group backend (default: nccl on CUDA, gloo on CPU)", ddp_only=True,
+                               type=str, choices=["nccl", "gloo"])
+    timeout_minutes: float = flag(30.0, "how long a training collective may wait for the slowest rank before "
+                                  "the job fails (PyTorch's default is 10)", number="positive", ddp_only=True)
+    data_timeout_minutes: float = flag(24 * 60.0, "how long ranks wait for local rank 0 to download, train the "
+                                       "tokenizer and tokenize (hours, for a large corpus on a cold cache)",
+                                       number="positive", ddp_only=True)
+
+
+# Defaults that depend on --model. `article` is REFERENCE.md's recipe; `tiny` is the demo
+# that runs with no arguments and finishes in a few minutes on a 2-core CPU.
+TRAINING_PRESETS = {
+    "tiny": dict(vocab_size=4096, seq_len=128, batch_size=16, max_steps=250, warmup_steps=25,
+                 save_every=100, eval_every=50),
+    "article": dict(vocab_size=50000, seq_len=512, batch_size=64, max_steps=None, warmup_steps=1000,
+                    save_every=1000, eval_every=1000),
+}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        raise UsageError(message)
+
+
+def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConfig:
+    parser = ArgumentParser(description=description)
+    for f in dataclasses.fields(TrainConfig):
+        if f.metadata["ddp_only"] and not ddp:
+            continue
+        name = "--" + f.name.replace("_", "-")
+        if f.type is bool or f.type == "bool":
+            parser.add_argument(name, action="store_true", help=f.metadata["help"])
+        else:
+            kwargs = {"type": type(f.default), **f.metadata["argparse"]}
+            parser.add_argument(name, default=f.default, help=f.metadata["help"], **kwargs)
+    cfg = TrainConfig(**vars(parser.parse_args(argv)))
+    if cfg.tokenizer and cfg.vocab_size is not None:
+        raise UsageError("--vocab-size sets the size of a tokenizer to train; --tokenizer brings its own")
+    for key, value in TRAINING_PRESETS[cfg.model].items():
+        if getattr(cfg, key) is None and not (key == "vocab_size" and cfg.tokenizer):
+            setattr(cfg, key, value)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig):
+    """Every value within the bounds its field declares, then what no single field knows."""
+    for f in dataclasses.fields(cfg):
+        value, name = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
+        minimum, number = f.metadata["minimum"], f.metadata["number"]
+        if minimum is not None and value is not None and value < minimum:
+            raise UsageError(f"{name} must be at least {minimum}, got {value}")
+        if number and not (math.isfinite(value) and (value > 0 if number == "positive" else value >= 0)):
+            raise UsageError(f"{name} must be a {number} number, got {value}")
+    max_pos = PRESETS[cfg.model]["max_position_embeddings"]
+    if cfg.seq_len > max_pos:
+        raise UsageError(f"--seq-len {cfg.seq_len} exceeds the {cfg.model} model's {max_pos} positions")
+    data.check_dataset_flags(cfg.dataset, cfg.dataset_config, cfg.split)
+    checkpointing.check_writable(cfg.out_dir)
+    dataset = Path(cfg.dataset).expanduser()
+    inside = dataset.is_dir() and Path(cfg.out_dir).resolve().is_relative_to(dataset.resolve())
+    if inside and cfg.dataset != data.EMBEDDED_CORPUS:
+        raise UsageError(f"--out-dir {cfg.out_dir} is inside the --dataset folder {cfg.dataset}: the run would "
+                         "read its own files as data. Choose an --out-dir outside it")
+
+
+def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
+    """Sequences per process and micro-step: the global batch / (world size x grad accum)."""
+    if cfg.batch_size % (world_size * cfg.grad_accum):
+        raise UsageError(f"--batch-size {cfg.batch_size} is not divisible by world size {world_size} "
+                         f"x --grad-accum {cfg.grad_accum}")
+    return cfg.batch_size // (world_size * cfg.grad_accum)
