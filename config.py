@@ -9,19 +9,23 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 import checkpointing
 import data
 from errors import UsageError
 from model import PRESETS
 
 
-def flag(default, help, minimum=None, number=None, same_on_resume=False, ddp_only=False, **argparse_kwargs):
-    """A field of TrainConfig and the flag that sets it. minimum: the smallest int allowed;
-    number: "positive" or "non-negative" for a float; same_on_resume: a resumed run must
-    keep the value (it decides the model, the data, the global batch or the LR schedule);
-    ddp_only: a flag of train_ddp.py alone."""
-    return field(default=default, metadata=dict(help=help, minimum=minimum, number=number, ddp_only=ddp_only,
-                                                 same_on_resume=same_on_resume, argparse=argparse_kwargs))
+def flag(default, help, minimum=None, maximum=None, number=None, same_on_resume=False, ddp_only=False,
+         **argparse_kwargs):
+    """A field of TrainConfig and the flag that sets it. minimum, maximum: the bounds of a
+    number; number: "positive" or "non-negative" for a float; same_on_resume: a resumed run
+    must keep the value (it decides the model, the data, the global batch or the LR
+    schedule); ddp_only: a flag of train_ddp.py alone."""
+    return field(default=default, metadata=dict(help=help, minimum=minimum, maximum=maximum, number=number,
+                                                 ddp_only=ddp_only, same_on_resume=same_on_resume,
+                                                 argparse=argparse_kwargs))
 
 
 @dataclass
@@ -62,7 +66,8 @@ class TrainConfig:
                                same_on_resume=True)
     grad_clip: float = flag(1.0, "clip the global gradient L2 norm to this (0: off)", number="non-negative",
                             same_on_resume=True)
-    seed: int = flag(1337, "seed for weights, data order and the validation split", same_on_resume=True)
+    seed: int = flag(1337, "seed for weights, data order and the validation split", minimum=0, maximum=2**63 - 1,
+                     same_on_resume=True)  # torch generators take 64-bit seeds; seed + epoch must fit
     # output
     out_dir: str = flag("out", "folder for checkpoint.pt, model.pt, tokenizer.json, config.json, metrics.jsonl")
     save_every: int | None = flag(None, "save a checkpoint every N steps (and at the end)", minimum=1, type=int)
@@ -77,10 +82,11 @@ class TrainConfig:
     backend: str | None = flag(None, "process-group backend (default: nccl on CUDA, gloo on CPU)", ddp_only=True,
                                type=str, choices=["nccl", "gloo"])
     timeout_minutes: float = flag(30.0, "how long a training collective may wait for the slowest rank before "
-                                  "the job fails (PyTorch's default is 10)", number="positive", ddp_only=True)
+                                  "the job fails (PyTorch's default is 10)", number="positive", maximum=1e6,
+                                  ddp_only=True)
     data_timeout_minutes: float = flag(24 * 60.0, "how long ranks wait for local rank 0 to download, train the "
                                        "tokenizer and tokenize (hours, for a large corpus on a cold cache)",
-                                       number="positive", ddp_only=True)
+                                       number="positive", maximum=1e6, ddp_only=True)
 
 
 # Defaults that depend on --model. `article` is REFERENCE.md's recipe; `tiny` is the demo
@@ -123,14 +129,18 @@ def validate(cfg: TrainConfig):
     """Every value within the bounds its field declares, then what no single field knows."""
     for f in dataclasses.fields(cfg):
         value, name = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
-        minimum, number = f.metadata["minimum"], f.metadata["number"]
+        minimum, maximum, number = f.metadata["minimum"], f.metadata["maximum"], f.metadata["number"]
         if minimum is not None and value is not None and value < minimum:
             raise UsageError(f"{name} must be at least {minimum}, got {value}")
+        if maximum is not None and value is not None and value > maximum:
+            raise UsageError(f"{name} must be at most {maximum:g}, got {value:g}")
         if number and not (math.isfinite(value) and (value > 0 if number == "positive" else value >= 0)):
             raise UsageError(f"{name} must be a {number} number, got {value}")
     max_pos = PRESETS[cfg.model]["max_position_embeddings"]
     if cfg.seq_len > max_pos:
         raise UsageError(f"--seq-len {cfg.seq_len} exceeds the {cfg.model} model's {max_pos} positions")
+    if cfg.backend == "nccl" and not torch.cuda.is_available():
+        raise UsageError("--backend nccl needs CUDA GPUs, and none is visible: leave --backend out (gloo on CPUs)")
     data.check_dataset_flags(cfg.dataset, cfg.dataset_config, cfg.split)
     checkpointing.check_writable(cfg.out_dir)
     dataset = Path(cfg.dataset).expanduser()

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from conftest import FAST, FAST_WITH_TOKENIZER, REPO, run_script
 
@@ -208,10 +209,16 @@ BAD_FLAGS = [
     ("--backend", "mpi", "argument --backend: invalid choice: 'mpi'"),
     ("--timeout-minutes", "0", "--timeout-minutes must be a positive number"),
     ("--data-timeout-minutes", "-1", "--data-timeout-minutes must be a positive number"),
+    ("--seed", "-5", "--seed must be at least 0, got -5"),
+    ("--seed", "99999999999999999999", "--seed must be at most 9.22337e+18"),
+    ("--timeout-minutes", "1e308", "--timeout-minutes must be at most 1e+06, got 1e+308"),
+    pytest.param("--backend", "nccl", "--backend nccl needs CUDA GPUs",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="NCCL works on this machine")),
 ]
 
 
-@pytest.mark.parametrize("flag, value, message", BAD_FLAGS, ids=[f"{f}={v}" for f, v, _ in BAD_FLAGS])
+@pytest.mark.parametrize("flag, value, message", BAD_FLAGS,
+                         ids=[f"{f}={v}" for f, v, _ in (getattr(c, "values", c) for c in BAD_FLAGS)])
 def test_every_flag_rejects_a_bad_value(tmp_path, corpus, monkeypatch, capsys, flag, value, message):
     import launcher
     import train_ddp
