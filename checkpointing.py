@@ -55,9 +55,9 @@ def lock_out_dir(out_dir: str):
 
 def check_writable(out_dir: str):
     """Before any data is loaded: --out-dir must be a folder this process can create or write."""
-    out = Path(out_dir or ".").absolute()
     if not out_dir:
         raise UsageError("--out-dir is empty: name a folder")
+    out = Path(out_dir).absolute()
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out-dir {out_dir} exists and is not a folder")
     existing = next(p for p in [out, *out.parents] if p.exists())

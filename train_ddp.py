@@ -133,9 +133,10 @@ def main():
             pbar.set_postfix(training.progress(loss, speed))
             train_totals.zero_()
         with speedometer.paused():  # saving and evaluation do not count as training time
-            if step % cfg.save_every == 0 or step == last_step or preempted:
+            saving = step % cfg.save_every == 0 or step == last_step or preempted
+            if saving:
                 training.stop_if_diverged(step, cfg, model=raw_model)  # on every rank, before saving
-            if (step % cfg.save_every == 0 or step == last_step or preempted) and is_main:
+            if saving and is_main:
                 # One writer, and no collective or DDP call inside this branch. The write runs in
                 # a background thread, so the other ranks never wait in a collective for the disk.
                 state = checkpointing.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, steps_per_epoch)

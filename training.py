@@ -310,7 +310,8 @@ def describe(model: LlamaForPretraining, train_ds, steps_per_epoch: int, total_s
 def stop_if_diverged(step: int, cfg: TrainConfig, loss: float | None = None, model: torch.nn.Module | None = None):
     """Raise if the logged loss, or any weight about to be saved, is not finite: nothing
     non-finite reaches metrics.jsonl or a checkpoint, and the older checkpoints stay good."""
-    weights_bad = model is not None and not all(torch.isfinite(p).all() for p in model.parameters())
+    # one reduction and one host sync for all weights, not one per parameter
+    weights_bad = model is not None and not torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()
     if weights_bad or (loss is not None and not math.isfinite(loss)):
         what = "weights are not finite" if weights_bad else f"loss is {loss}"
         raise UsageError(f"training diverged: the {what} at step {step}. Start again with a lower --lr "
