@@ -140,7 +140,7 @@ def ours(cfg, tokenizer):
     """What train_dp.py and train_ddp.py run, given --tokenizer."""
     import training
     start = time.perf_counter()
-    train_text, val_text = training.load_text(cfg)
+    train_text, val_text, _ = training.load_text(cfg)
     training.make_datasets(cfg, tokenizer, train_text, val_text)
     return time.perf_counter() - start
 

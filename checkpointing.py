@@ -6,6 +6,7 @@ a file crafted to run code on load is refused instead.
 """
 
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -51,20 +52,21 @@ def lock_out_dir(out_dir: str):
         os.close(fd)
         raise UsageError(f"another run is using {out}: wait for it to end, or choose another --out-dir") from None
     _LOCKS.append(fd)
+    remove_temp_files(out)  # no other run can be writing them now
 
 
-def check_writable(out_dir: str):
+def check_writable(out_dir: str, name: str = "--out-dir"):
     """Before any data is loaded: --out-dir must be a folder this process can create or write."""
     if not out_dir:
-        raise UsageError("--out-dir is empty: name a folder")
+        raise UsageError(f"{name} is empty: name a folder")
     out = Path(out_dir).absolute()
     if out.exists() and not out.is_dir():
-        raise UsageError(f"--out-dir {out_dir} exists and is not a folder")
+        raise UsageError(f"{name} {out_dir} exists and is not a folder")
     existing = next(p for p in [out, *out.parents] if p.exists())
     if not existing.is_dir():
-        raise UsageError(f"--out-dir {out_dir}: {existing} is a file, not a folder")
+        raise UsageError(f"{name} {out_dir}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--out-dir {out_dir}: no permission to write in {existing}")
+        raise UsageError(f"{name} {out_dir}: no permission to write in {existing}")
 
 
 def resuming(out_dir: str, resume: bool) -> bool:
@@ -127,13 +129,15 @@ def load_checkpoint(path) -> dict:
     return ckpt
 
 
-def checkpoint_state(model, optimizer, scheduler, cfg, step, steps_per_epoch) -> dict:
+def checkpoint_state(model, optimizer, scheduler, cfg, step, train_ds) -> dict:
+    steps_per_epoch = len(train_ds) // cfg.batch_size
     epoch, step_in_epoch = divmod(step, steps_per_epoch)
     return {
         "model": model.state_dict(),  # the plain module: no `module.` / `_orig_mod.` prefixes
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "steps_per_epoch": steps_per_epoch,
+        "corpus": train_ds.corpus,  # what data the run trains on (data.fingerprint): a resume must match it
         # Nothing in training draws random numbers after initialization (the data order comes
         # from seed + epoch), but saving the generators keeps any future dropout exact too.
         "rng": {"torch": torch.get_rng_state(),
@@ -156,17 +160,59 @@ def restore(ckpt: dict, model, optimizer, scheduler) -> int:
 
 def atomic_save(obj, path: Path):
     """Write to a temp file, flush it to disk, then rename: a crash mid-write leaves the
-    previous file intact, never a torn one."""
+    previous file intact, never a torn one. A failed write removes its temp file, and a
+    full disk is one line that says where and how much space is missing."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        if isinstance(obj, str):
-            f.write(obj.encode())
-        else:
-            torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            if isinstance(obj, str):
+                f.write(obj.encode())
+            else:
+                torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
+        os.replace(tmp, path)
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        raise_if_disk_full(e, path, _nbytes(obj))
+        raise
     _fsync_dir(path.parent)
+
+
+def raise_if_disk_full(error: Exception, path: Path, needed: int):
+    """Turn a write that failed for want of space into one UsageError line. torch.save does
+    not always say so itself ("unexpected pos"): then the free space decides."""
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        return
+    if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < needed:
+        mount = next(p for p in [path.parent.absolute(), *path.parent.absolute().parents] if os.path.ismount(p))
+        raise UsageError(f"no space left to write {path} (on the disk mounted at {mount}): it needs about "
+                         f"{needed / 1e6:,.1f} MB, {free / 1e6:,.1f} MB are free. Free some space, then run again "
+                         "(with --resume if a checkpoint was saved)") from None
+
+
+def _nbytes(obj) -> int:
+    """About how many bytes saving obj writes: its tensors' and strings' sizes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, str):
+        return len(obj.encode())
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 8
+
+
+def remove_temp_files(out: Path):
+    """Delete the temp files a crash (or a full disk) left behind in a run's folder: only the
+    names atomic_save gives, and only while this run holds the folder's lock."""
+    ours = [out / (name + ".tmp") for name in RUN_FILES]
+    ours += [p for p in out.glob("checkpoint-*.pt.tmp") if NUMBERED.fullmatch(p.name[:-len(".tmp")])]
+    for tmp in ours:
+        tmp.unlink(missing_ok=True)
 
 
 def _fsync_dir(folder: Path):

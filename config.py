@@ -35,12 +35,10 @@ class TrainConfig:
 
     # data
     dataset: str = flag(data.EMBEDDED_CORPUS, "Hub dataset id, a local .txt/.jsonl/.json/.parquet file "
-                        "or folder of them, or 'stdlib': the embedded corpus (Python's own standard library)",
-                        same_on_resume=True)
-    dataset_config: str | None = flag(None, "Hub dataset configuration, e.g. sample-10BT", same_on_resume=True,
-                                      type=str)
-    split: str | None = flag(None, "Hub dataset split (default: train)", same_on_resume=True, type=str)
-    text_column: str = flag("text", "column that holds the documents", same_on_resume=True)
+                        "or folder of them, or 'stdlib': the embedded corpus (Python's own standard library)")
+    dataset_config: str | None = flag(None, "Hub dataset configuration, e.g. sample-10BT", type=str)
+    split: str | None = flag(None, "Hub dataset split (default: train)", type=str)
+    text_column: str = flag("text", "column that holds the documents")
     val_docs: int | None = flag(None, "documents held out for validation (default: 1%%, at most 1000)", minimum=1,
                                 same_on_resume=True, type=int)
     tokenizer: str | None = flag(None, "tokenizer.json to use instead of training a BPE", type=str)

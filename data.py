@@ -7,6 +7,8 @@ result on disk: later epochs, later runs and the other ranks of a DDP job read t
 """
 
 import contextlib
+import hashlib
+import importlib.util
 import itertools
 import json
 import logging
@@ -21,13 +23,16 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from errors import UsageError, first_line
+from launcher import warn
 from model import IGNORE_INDEX
 
 PAD, BOT, EOT = "[PAD]", "[BOT]", "[EOT]"
 SPECIAL_TOKENS = [PAD, BOT, EOT]
 EMBEDDED_CORPUS = "stdlib"
 # local file suffix -> the `datasets` builder that reads it
-FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # `datasets` decompresses these as it reads (.zst: with zstandard)
+KNOWN_FILES = f"{'/'.join(FILE_BUILDERS)} (optionally {'/'.join(COMPRESSIONS)})"
 # The tokenizer is trained on at most this much text: plenty for a BPE, and it keeps a
 # run on a 10B-token corpus from spending hours on tokenizer training.
 TOKENIZER_TRAIN_CHARS = 200_000_000
@@ -68,25 +73,69 @@ def stdlib_documents(files: list[str], max_chars: int = 1500):
 # Loading a corpus: the embedded one, local files, or a Hub dataset
 
 
+def file_builder(path: Path) -> str | None:
+    """The `datasets` builder that reads a file, judged by its name, or None. Case does not
+    matter, and a compression suffix may follow: `part-0.jsonl.gz` is JSON Lines."""
+    suffixes = [s.lower() for s in path.suffixes[-2:]]
+    if suffixes and suffixes[-1] in COMPRESSIONS:
+        suffixes.pop()
+    return FILE_BUILDERS.get(suffixes[-1]) if suffixes else None
+
+
 def _local_files(path: Path) -> list[Path]:
+    """The data files of --dataset: the file itself, or every file a folder holds at any depth,
+    symlinked folders followed. Whatever is skipped is named in one warning."""
     if path.is_file():
+        if file_builder(path) is None:
+            raise UsageError(f"unsupported dataset file {path}: expected {KNOWN_FILES}")
         files = [path]
     else:
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in FILE_BUILDERS)
+        files, skipped = _walk(path)
+        if skipped:
+            shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+            warn(f"--dataset {path}: skipping {len(skipped)} {'entry' if len(skipped) == 1 else 'entries'}: {shown} "
+                 f"(data files end in {KNOWN_FILES})")
         if not files:
-            raise UsageError(f"folder {path} holds no {'/'.join(FILE_BUILDERS)} files")
+            raise UsageError(f"folder {path} holds no {KNOWN_FILES} files")
     for f in files:
-        if f.suffix not in FILE_BUILDERS:
-            raise UsageError(f"unsupported dataset file {f}: expected one of {', '.join(FILE_BUILDERS)}")
         if not os.access(f, os.R_OK):
             raise UsageError(f"cannot read dataset file {f}")
+        if f.name.lower().endswith(".zst") and importlib.util.find_spec("zstandard") is None:
+            raise UsageError(f"reading {f} needs the zstandard package: pip install zstandard")
     return files
+
+
+def _walk(root: Path) -> tuple[list[Path], list[str]]:
+    """Data files under root, sorted (the same order on every rank), each real file once;
+    and what was left out, with the reason for the less obvious cases."""
+    files, skipped, seen_dirs, seen_files = [], [], set(), {}
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen_dirs:  # a symlink loop, or a second link to a folder already read
+            skipped.append(f"{os.path.relpath(folder, root)}/ (already read as {os.path.relpath(real, root)})")
+            subfolders[:] = []
+            continue
+        seen_dirs.add(real)
+        hidden = sorted(d for d in subfolders if d.startswith("."))
+        skipped += [f"{os.path.relpath(os.path.join(folder, d), root)}/ (hidden)" for d in hidden]
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        for name in sorted(names):
+            f = Path(folder, name)
+            rel = str(f.relative_to(root))
+            if file_builder(f) is None or not f.is_file():
+                skipped.append(rel)
+            elif (real_file := os.path.realpath(f)) in seen_files:
+                skipped.append(f"{rel} (same file as {seen_files[real_file]})")
+            else:
+                seen_files[real_file] = rel
+                files.append(f)
+    return sorted(files), skipped
 
 
 def looks_local(dataset: str) -> bool:
     """A path, as opposed to a Hub id such as `HuggingFaceFW/fineweb`."""
     return (os.path.exists(dataset) or dataset.startswith((".", "/", "~"))
-            or Path(dataset).suffix in FILE_BUILDERS)
+            or file_builder(Path(dataset)) is not None)
 
 
 def check_dataset_flags(dataset: str, dataset_config: str | None, split: str | None):
@@ -112,8 +161,8 @@ def load_corpus(dataset: str, dataset_config: str | None = None, split: str | No
         if not files:
             raise UsageError(f"dataset {dataset} has no non-empty documents")
         parts = []
-        for builder in sorted({FILE_BUILDERS[f.suffix] for f in files}):
-            data_files = [str(f) for f in files if FILE_BUILDERS[f.suffix] == builder]
+        for builder in sorted({file_builder(f) for f in files}):
+            data_files = [str(f) for f in files if file_builder(f) == builder]
             try:
                 with _reported_by_us():
                     part = datasets.load_dataset(builder, data_files=data_files, split="train")
@@ -155,6 +204,19 @@ def _reported_by_us():
         yield
     finally:
         datasets.logging.set_verbosity(level)
+
+
+def fingerprint(ds: datasets.Dataset) -> dict:
+    """What a resumed run must find again: how many documents, and a hash of their text in
+    order. The content, not the path: the same file under another name is the same data,
+    while one appended or reordered line is not (it would redraw the held-out split). One
+    pass over the text, about 3 seconds per GB."""
+    digest = hashlib.blake2b(digest_size=16)
+    for batch in ds.iter(batch_size=10_000):
+        for text in batch["text"]:
+            raw = text.encode("utf-8", "surrogatepass")
+            digest.update(len(raw).to_bytes(8, "little") + raw)  # the length keeps "ab","c" apart from "a","bc"
+    return {"documents": len(ds), "blake2b": digest.hexdigest()}
 
 
 def split_train_val(ds: datasets.Dataset, val_docs: int, seed: int):
@@ -203,6 +265,12 @@ def load_tokenizer(path: str) -> Tokenizer:
     missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
     if missing:
         raise UsageError(f"tokenizer {path} lacks the special tokens {', '.join(missing)}")
+    model = json.loads(tokenizer.to_str())["model"]
+    unknown = model.get("unk_token")
+    if model["type"] in ("WordLevel", "WordPiece") and tokenizer.token_to_id(unknown or "") is None:
+        # it would fail on the first word outside its vocabulary, mid-tokenization
+        raise UsageError(f"tokenizer {path} is a {model['type']} tokenizer without its unknown token "
+                         f"({unknown!r} is not in its vocabulary): it cannot encode words it has not seen")
     return tokenizer
 
 
@@ -226,12 +294,42 @@ def clip_is_exact(tokenizer: Tokenizer) -> bool:
 _CUT = re.compile(r"(?<=\S)[ \t\n\r]")
 
 
-def clip_text(text: str, chars: int) -> str:
-    """The text up to the first safe cut (see clip_is_exact) at or after `chars` characters."""
+def clip_text(text: str, chars: int, pre_tokenizer=None) -> tuple[str, bool]:
+    """(clip, exact): the text up to the first cut between `chars` and 2 x `chars` characters
+    that changes no token before it (see clip_is_exact), and True. A cut falls before a space,
+    tab or newline after a non-whitespace character, or else (minified JSON, base64, text
+    without spaces) where the tokenizer's own pre-tokenizer starts a new piece. Where one
+    piece runs past 2 x `chars` (40 MB of letters), no cut is exact: the first 2 x `chars`
+    characters, and False."""
     if len(text) <= chars:
-        return text
-    cut = _CUT.search(text, chars)
-    return text[:cut.start()] if cut else text
+        return text, True
+    end = 2 * chars
+    cut = _CUT.search(text, chars, end)
+    if cut:
+        return text[:cut.start()], True
+    if len(text) <= end:
+        return text, True
+    if pre_tokenizer is not None:
+        # The pre-tokenizer reads left to right and looks at most two characters past a piece,
+        # so the pieces of text[:end + 16] that start by `end` are the whole text's pieces too.
+        pieces = pre_tokenizer.pre_tokenize_str(text[:end + 16])
+        starts = [start for _, (start, _) in pieces[1:] if chars <= start <= end]
+        if starts:
+            return text[:starts[0]], True
+    return text[:end], False
+
+
+def encode_clipped(tokenizer: Tokenizer, text: str, chars: int, need: int) -> list[int]:
+    """The ids of text, at least the first `need` of them exactly as encoding it whole gives,
+    from ever longer clips (2x each time). A clip inside one long piece is taken once a clip
+    twice as long agrees with it on those `need` ids."""
+    previous = None
+    while True:
+        clip, exact = clip_text(text, chars, tokenizer.pre_tokenizer)
+        ids = tokenizer.encode(clip, add_special_tokens=False).ids
+        if len(clip) == len(text) or (len(ids) >= need and (exact or ids[:need] == previous)):
+            return ids
+        previous, chars = (None if exact else ids[:need]), 2 * chars
 
 
 def clip_chars(texts: list[str], tokenizer: Tokenizer, max_len: int) -> int | None:
@@ -246,19 +344,30 @@ def clip_chars(texts: list[str], tokenizer: Tokenizer, max_len: int) -> int | No
     return int(1.3 * max_len * sum(map(len, sample)) / max(1, tokens)) + 100
 
 
+def text_only(tokenizer: Tokenizer) -> Tokenizer:
+    """A copy of the tokenizer that encodes "[PAD]", "[EOT]" and the like in a text as the
+    text they are, never as special ids: only the trainer's framing makes those. (The setting
+    is not saved with the tokenizer and not pickled: set it again where it is used.)"""
+    tokenizer = Tokenizer.from_str(tokenizer.to_str())
+    tokenizer.encode_special_tokens = True
+    return tokenizer
+
+
 def _encode(batch, tokenizer: Tokenizer, max_len: int, clip_at: int | None):
     """Frame and clip a batch of documents: [BOT] + ids + [EOT], at most max_len tokens."""
+    tokenizer.encode_special_tokens = True  # text is text (see text_only); lost when pickled to a worker
     bot, eot = tokenizer.token_to_id(BOT), tokenizer.token_to_id(EOT)
     texts = batch["text"]
     # Encode only the first clip_at characters (and a little more, up to a safe cut) of each
     # document: the model sees at most max_len - 1 of its tokens, and encoding the rest of a
     # long document is wasted time (and, for a huge one, memory).
-    clipped = [clip_text(t, clip_at) for t in texts] if clip_at else texts
-    ids = [e.ids for e in tokenizer.encode_batch_fast(clipped, add_special_tokens=False)]
-    # A clipped document that gave fewer tokens than the model sees is encoded again, whole.
-    again = [i for i, (t, x) in enumerate(zip(clipped, ids)) if len(x) < max_len - 1 and len(t) < len(texts[i])]
-    for i, e in zip(again, tokenizer.encode_batch_fast([texts[i] for i in again], add_special_tokens=False)):
-        ids[i] = e.ids
+    clips = [clip_text(t, clip_at, tokenizer.pre_tokenizer) for t in texts] if clip_at else [(t, True) for t in texts]
+    ids = [e.ids for e in tokenizer.encode_batch_fast([clip for clip, _ in clips], add_special_tokens=False)]
+    # The rare clip that gave fewer tokens than the model sees, or that had to cut inside one
+    # long piece, is encoded again from longer clips (the whole text at worst).
+    for i, ((clip, exact), x) in enumerate(zip(clips, ids)):
+        if len(clip) < len(texts[i]) and (len(x) < max_len - 1 or not exact):
+            ids[i] = encode_clipped(tokenizer, texts[i], 2 * clip_at, max_len - 1)
     return {"input_ids": [[bot, *x[:max_len - 1], eot][:max_len] for x in ids]}
 
 
@@ -266,6 +375,7 @@ def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int) -> dat
     """Frame and clip every document once; `datasets` caches the result on disk. Large
     corpora are split over one process per core, each encoding with one thread."""
     max_len = seq_len + 1
+    tokenizer = text_only(tokenizer)
     clip_at = clip_chars(texts.select(range(min(200, len(texts))))["text"], tokenizer, max_len)
     num_proc = min(len(os.sched_getaffinity(0)), len(texts) // 5000) if hasattr(os, "sched_getaffinity") else 1
     with _tokenizer_threads(1 if num_proc > 1 else None):
@@ -305,6 +415,7 @@ class PaddedSequenceDataset(torch.utils.data.Dataset):
     rows: datasets.Dataset  # column "input_ids": [BOT] + ids + [EOT], at most seq_len + 1 long
     seq_len: int
     pad_id: int
+    corpus: dict | None = None  # the fingerprint of the corpus it was cut from; checkpoints record it
 
     def __len__(self):
         return len(self.rows)

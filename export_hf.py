@@ -71,6 +71,7 @@ def export(out_dir: str, hf_dir: str):
     hf = Path(hf_dir)
     if hf.exists() and not (hf.is_dir() and not any(hf.iterdir())):
         raise UsageError(f"{hf} already exists: choose a new folder (nothing was written)")
+    checkpointing.check_writable(hf_dir, "the export folder")  # e.g. not under a regular file
     model, tokenizer = checkpointing.load_trained(out_dir)
     tokens = {"bos_token": BOT, "eos_token": EOT, "pad_token": PAD}
     partial = hf.with_name(f".{hf.name}.partial")  # complete, or not there at all
@@ -83,7 +84,8 @@ def export(out_dir: str, hf_dir: str):
         "generation_config.json": special_token_ids(tokenizer),  # generate() stops at [EOT]
         "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", **tokens,
                                   "model_max_length": model.config.max_position_embeddings,
-                                  "clean_up_tokenization_spaces": False},  # decode exactly as ours does
+                                  "clean_up_tokenization_spaces": False,  # decode exactly as ours does
+                                  "split_special_tokens": True},  # "[EOT]" in a text is text, as in training
         "special_tokens_map.json": tokens,
     }
     for name, content in files.items():

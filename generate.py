@@ -20,9 +20,12 @@ import torch
 import checkpointing
 import launcher
 import training
-from data import BOT, EOT
+from data import BOT, EOT, text_only
 from errors import UsageError
 from model import LlamaForPretraining
+
+
+MIN_TEMPERATURE = 1e-3  # sharper than this is greedy in all but name; use 0
 
 
 def sample_next(logits, temperature: float, top_k: int | None, generator: torch.Generator) -> int:
@@ -71,15 +74,25 @@ def parse_args(argv=None):
         raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise UsageError(f"--temperature must be a non-negative number, got {args.temperature}")
+    if 0 < args.temperature < MIN_TEMPERATURE:  # logits / 1e-45 overflow to inf, and softmax to nan
+        raise UsageError(f"--temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {args.temperature}")
     if args.top_k < 1:
         raise UsageError(f"--top-k must be at least 1, got {args.top_k}")
+    if not 0 <= args.seed < 2**63:  # torch generators take 64-bit seeds
+        raise UsageError(f"--seed must be within 0 and 2^63 - 1, got {args.seed}")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 text
+        raise UsageError("--prompt is not valid UTF-8 text") from None
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     model, tokenizer = checkpointing.load_trained(args.out_dir)
-    prompt_ids = [tokenizer.token_to_id(BOT)] + tokenizer.encode(args.prompt, add_special_tokens=False).ids
+    # the prompt is text: a literal "[EOT]" in it is encoded as text, as in training (data.text_only)
+    text_ids = text_only(tokenizer).encode(args.prompt, add_special_tokens=False).ids
+    prompt_ids = [tokenizer.token_to_id(BOT)] + text_ids
     room = model.config.max_position_embeddings
     if len(prompt_ids) + args.max_new_tokens > room:
         raise UsageError(f"the prompt ({len(prompt_ids)} tokens) plus --max-new-tokens {args.max_new_tokens} "

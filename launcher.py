@@ -6,8 +6,10 @@ the rest lives here.
 
 import datetime
 import inspect
+import json
 import os
 import sys
+import time
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -43,14 +45,34 @@ def exit_on_usage_error(main):
     try:
         main()
     except UsageError as e:
-        for bar in list(getattr(tqdm, "_instances", ())):
-            bar.close()  # an open progress bar ends its line first: the error gets one of its own
+        close_progress_bars()
         if is_rank0() or isinstance(e, RankError):  # every rank sees a UsageError: print it once
             print(f"error: {e}", file=sys.stderr)
+        tell_torchrun(f"error: {e}")
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before training began, or a second one during it
+        close_progress_bars()
+        if is_rank0():
+            print("interrupted", file=sys.stderr)
+        sys.exit(130)  # what a shell reports for Ctrl-C
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def close_progress_bars():
+    """An open progress bar ends its line first: the message gets a line of its own."""
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
+def tell_torchrun(message: str):
+    """Under torchrun, leave the reason for this worker's exit in the error file torchrun
+    reads: its failure report then shows our line instead of a link to its docs."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
 
 
 # How DDP is built, for speed:

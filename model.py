@@ -29,6 +29,10 @@ class LlamaConfig:
     rope_theta: float = 10000.0
 
     def __post_init__(self):
+        for name in ("vocab_size", "max_position_embeddings", "hidden_size", "intermediate_size",
+                     "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must be divisible by num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:

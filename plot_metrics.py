@@ -8,7 +8,6 @@ which training does not.
 """
 
 import argparse
-import json
 from pathlib import Path
 
 import launcher
@@ -18,10 +17,14 @@ from errors import UsageError
 
 
 def read_metrics(out_dir: str) -> list[dict]:
+    """The rows of a run's metrics.jsonl (training.read_metrics: a torn last line is dropped
+    with a warning, other damage is an error)."""
     path = Path(out_dir) / METRICS
+    if not path.is_file():
+        raise UsageError(f"{out_dir} holds no {METRICS}: not an output folder of a training run")
     try:
-        rows = [json.loads(line) for line in path.read_text().splitlines()]
-    except (OSError, ValueError) as e:
+        rows = training.read_metrics(path)
+    except OSError as e:
         raise UsageError(f"cannot read {path}: {e}") from None
     if not rows:
         raise UsageError(f"{path} holds no logged step yet")
@@ -34,14 +37,30 @@ def series(rows: list[dict], key: str):
     return [s for s, _ in points], [v for _, v in points]
 
 
-def plot(runs: dict[str, list[dict]], output: str):
+def pyplot():
     try:
         import matplotlib
     except ImportError:
         raise UsageError("plot_metrics.py needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
+    return plt
 
+
+def output_path(output: str, plt) -> str:
+    """The file the plot goes to: PNG unless the name says another format matplotlib writes."""
+    path = Path(output)
+    if not path.suffix:
+        return output + ".png"  # what matplotlib would write anyway: say so, not "wrote metrics"
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if path.suffix[1:].lower() not in formats:
+        raise UsageError(f"--output {output}: matplotlib cannot write {path.suffix} files "
+                         f"(it writes {', '.join('.' + f for f in sorted(formats))})")
+    return output
+
+
+def plot(runs: dict[str, list[dict]], output: str, plt):
     fig, (ax_loss, ax_speed) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=[2, 1])
     for i, (name, rows) in enumerate(runs.items()):
         color = f"C{i}"
@@ -63,16 +82,19 @@ def plot(runs: dict[str, list[dict]], output: str):
 def main(argv=None):
     parser = training.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dirs", nargs="+", help="output folders of training runs")
-    parser.add_argument("-o", "--output", default="metrics.png", help="PNG file to write")
+    parser.add_argument("-o", "--output", default="metrics.png", help="image to write (PNG unless its suffix "
+                        "names another format, such as .svg or .pdf)")
     args = parser.parse_args(argv)
-    if not Path(args.output).resolve().parent.is_dir():
+    plt = pyplot()
+    output = output_path(args.output, plt)
+    if not Path(output).resolve().parent.is_dir():
         raise UsageError(f"--output {args.output}: its folder does not exist")
     runs = {}
     for out_dir in args.out_dirs:
         name = Path(out_dir).resolve().name
         runs[name if name not in runs else out_dir] = read_metrics(out_dir)
-    plot(runs, args.output)
-    print(f"wrote {args.output}")
+    plot(runs, output, plt)
+    print(f"wrote {output}")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def main():
     val_loader = training.val_loader(val_ds, rank, world_size, micro_batch)
     metrics = training.MetricsLog(cfg.out_dir, enabled=is_main, resume_step=step)
     writer = checkpointing.CheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
-    stop = training.StopSignal()  # SIGTERM/SIGUSR1: finish the step, save, exit 0
+    stop = training.StopSignal()  # SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
     if is_main:
         print(training.describe(raw_model, train_ds, steps_per_epoch, total_steps, micro_batch, cfg, device, dtype))
 
@@ -112,7 +112,7 @@ def main():
             if saving:
                 training.stop_if_diverged(step, cfg, model=raw_model)  # on every rank, before saving
             if saving and is_main:
-                state = checkpointing.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, steps_per_epoch)
+                state = checkpointing.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, train_ds)
                 writer.save(state)
             if (step % cfg.eval_every == 0 or step == last_step) and not preempted:
                 totals = training.evaluate(raw_model, val_loader, device)  # the plain module: no wrapper

@@ -10,7 +10,9 @@ import datetime
 import json
 import math
 import re
+import shlex
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -46,10 +48,10 @@ def prepare_data(cfg: TrainConfig, turns=OneProcess()):
     and held-out datasets. Tokenized once: `datasets` caches the result on disk."""
     resuming = turns.everywhere(lambda: checkpointing.resuming(cfg.out_dir, cfg.resume))  # refuses to overwrite a run
     ckpt = turns.everywhere(lambda: load_run(cfg.out_dir)) if resuming else None
-    train_text, val_text = turns.local_rank0_first(lambda: load_text(cfg))
+    train_text, val_text, corpus = turns.local_rank0_first(lambda: load_text(cfg, ckpt))
     # one tokenizer for the whole job: rank 0 trains (or loads) it and sends it to all
     tokenizer = Tokenizer.from_str(turns.from_rank0(lambda: get_tokenizer(cfg, train_text, resuming).to_str()))
-    train_ds, val_ds = turns.local_rank0_first(lambda: make_datasets(cfg, tokenizer, train_text, val_text))
+    train_ds, val_ds = turns.local_rank0_first(lambda: make_datasets(cfg, tokenizer, train_text, val_text, corpus))
     turns.everywhere(lambda: claim_out_dir(cfg, ckpt))  # only now: a refused run creates nothing
     return ckpt, tokenizer, train_ds, val_ds
 
@@ -67,15 +69,31 @@ def claim_out_dir(cfg: TrainConfig, ckpt: dict | None):
                          "into the folder): start again")
 
 
-def load_text(cfg: TrainConfig):
-    """The corpus, split into training and held-out documents."""
+def load_text(cfg: TrainConfig, ckpt: dict | None = None):
+    """The corpus, split into training and held-out documents, and its fingerprint. A resumed
+    run must read exactly the documents its checkpoint was trained on."""
     corpus = data.load_corpus(cfg.dataset, cfg.dataset_config, cfg.split, cfg.text_column)
+    fingerprint = data.fingerprint(corpus)
+    if ckpt is not None:
+        check_same_corpus(ckpt, fingerprint, cfg.dataset)
     val_docs = cfg.val_docs or data.default_val_docs(len(corpus))
     train_text, val_text = data.split_train_val(corpus, val_docs, cfg.seed)
     if len(train_text) < cfg.batch_size:  # one sequence per document: known before tokenizing
         raise UsageError(f"dataset has {len(train_text)} training documents, fewer than one --batch-size "
                          f"of {cfg.batch_size}")
-    return train_text, val_text
+    return train_text, val_text, fingerprint
+
+
+def check_same_corpus(ckpt: dict, fingerprint: dict, dataset: str):
+    was = ckpt.get("corpus")
+    if was is None:  # written before checkpoints recorded their data
+        warn(f"{Path(ckpt['path']).name} does not record its data: cannot check that --dataset is unchanged")
+    elif was != fingerprint:
+        what = (f"{fingerprint['documents']} documents, was {was['documents']}"
+                if fingerprint["documents"] != was["documents"]
+                else f"the same number of documents ({was['documents']}), but their text or order differs")
+        raise UsageError(f"--dataset {dataset} is not the data this run trained on ({what}): resume with "
+                         "that data, or start a new run")
 
 
 def get_tokenizer(cfg: TrainConfig, train_text, resuming: bool) -> Tokenizer:
@@ -90,9 +108,10 @@ def get_tokenizer(cfg: TrainConfig, train_text, resuming: bool) -> Tokenizer:
     return data.train_tokenizer(train_text, cfg.vocab_size)
 
 
-def make_datasets(cfg: TrainConfig, tokenizer: Tokenizer, train_text, val_text):
+def make_datasets(cfg: TrainConfig, tokenizer: Tokenizer, train_text, val_text, corpus: dict | None = None):
     pad_id = tokenizer.token_to_id(data.PAD)
-    train = data.PaddedSequenceDataset(data.tokenize(train_text, tokenizer, cfg.seq_len), cfg.seq_len, pad_id)
+    train = data.PaddedSequenceDataset(data.tokenize(train_text, tokenizer, cfg.seq_len), cfg.seq_len, pad_id,
+                                       corpus)
     val = data.PaddedSequenceDataset(data.tokenize(val_text, tokenizer, cfg.seq_len), cfg.seq_len, pad_id)
     return train, val
 
@@ -158,7 +177,11 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, total_steps: int):
 
 def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
     all_epochs = cfg.epochs * steps_per_epoch
-    return min(cfg.max_steps, all_epochs) if cfg.max_steps else all_epochs
+    total = min(cfg.max_steps, all_epochs) if cfg.max_steps else all_epochs
+    if cfg.warmup_steps >= total:
+        warn(f"--warmup-steps {cfg.warmup_steps} is not shorter than the run ({total} steps): the learning rate "
+             "is still warming up when the run ends, and never decays")
+    return total
 
 
 # ---------------------------------------------------------------------------------------
@@ -190,16 +213,21 @@ def resume(ckpt: dict | None, cfg: TrainConfig, model, optimizer, scheduler, ste
 
 
 class StopSignal:
-    """SIGTERM or SIGUSR1 (what Slurm and torchrun send before they kill a job) only sets a
-    flag; the training loop finishes its step, saves a checkpoint and exits 0."""
+    """SIGTERM or SIGUSR1 (what Slurm and torchrun send before they kill a job), or Ctrl-C,
+    only sets a flag; the training loop finishes its step, saves a checkpoint and exits 0.
+    A second Ctrl-C stops at once, losing the steps since the last checkpoint."""
 
     def __init__(self):
         self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         self.requested = True
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # the next Ctrl-C interrupts
+            if is_rank0():
+                print("\nCtrl-C: saving after this step (press it again to stop at once)", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------------
@@ -339,7 +367,7 @@ def read_metrics(path: Path, warn_if_torn: bool = True) -> list[dict]:
                 if warn_if_torn:
                     warn(f"{path}: dropping its torn last line {line[:40]!r}")
                 continue
-            raise UsageError(f"{path}, line {number}: {first_line(e)}; repair or remove that line to resume") from None
+            raise UsageError(f"{path}, line {number}: {first_line(e)}; repair or remove that line") from None
         rows.append(row)
     return rows
 
@@ -365,8 +393,13 @@ class MetricsLog:
 
     def write(self, **row):
         if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            line = json.dumps(row) + "\n"
+            try:
+                with open(self.path, "a") as f:
+                    f.write(line)
+            except OSError as e:
+                checkpointing.raise_if_disk_full(e, self.path, len(line))
+                raise
 
 
 def summary(cfg: TrainConfig, step: int, total_steps: int, first_step: int, seconds: float,
@@ -382,8 +415,9 @@ def summary(cfg: TrainConfig, step: int, total_steps: int, first_step: int, seco
     if step < total_steps:
         return "\n".join(report + [f"checkpoint saved in {out / CHECKPOINT}; continue with --resume"])
     prompt = "def " if cfg.dataset == data.EMBEDDED_CORPUS else "The "  # the demo corpus is Python code
+    q = shlex.quote  # commands that paste into a shell whatever the folder's name
     return "\n".join(report + [
         f"weights in {out / MODEL}, with {TOKENIZER}, {CONFIG} and {METRICS} beside them",
-        f"  sample:   python generate.py {out} --prompt {prompt!r}",
-        f"  export:   python export_hf.py {out} {out}-hf",
-        f"  plot:     python plot_metrics.py {out} -o {out / 'metrics.png'}"])
+        f"  sample:   python generate.py {q(str(out))} --prompt {q(prompt)}",
+        f"  export:   python export_hf.py {q(str(out))} {q(str(out) + '-hf')}",
+        f"  plot:     python plot_metrics.py {q(str(out))} -o {q(str(out / 'metrics.png'))}"])

@@ -7,6 +7,9 @@ first attempt only: after torchrun restarts the workers, the run goes on unharme
     sigterm-launcher  what `scancel` or a preempting scheduler does: SIGTERM to torchrun,
                       which forwards it to every worker. This rank also gets it at once.
     sigusr1           SIGUSR1 to this process (Slurm's warning before the time limit)
+    sigint            SIGINT to this process (Ctrl-C); sigint-twice: two of them (Ctrl-C, Ctrl-C)
+    small-disk        the output folder's disk holds FAULT_BYTES: a write beyond that fails with
+                      ENOSPC, as on a full disk, and shutil.disk_usage says what is left
     slow-disk         the first checkpoint write hangs until training reaches FAULT_STEP;
                       a trainer that saved in its training loop would never get there
     slow-prepare      loading the corpus takes FAULT_SECONDS longer than it does (a cold cache:
@@ -19,6 +22,7 @@ import runpy
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import torch
 
@@ -38,6 +42,10 @@ def strike():
         os.kill(os.getppid(), signal.SIGTERM)  # torchrun forwards it to the others, later
     elif fault == "sigusr1":
         os.kill(os.getpid(), signal.SIGUSR1)
+    elif fault in ("sigint", "sigint-twice"):
+        os.kill(os.getpid(), signal.SIGINT)
+        if fault == "sigint-twice":
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 def clip_and_count(*args, **kwargs):
@@ -75,6 +83,35 @@ if fault == "slow-prepare" and armed:
         return real_load_text(*args, **kwargs)
 
     training.load_text = slow_load_text
+
+if fault == "small-disk" and armed:
+    import errno
+    import io
+    import shutil
+
+    import checkpointing
+
+    capacity = int(os.environ["FAULT_BYTES"])
+    out_dir = sys.argv[sys.argv.index("--out-dir") + 1]
+
+    def used():
+        return sum(f.stat().st_size for f in Path(out_dir).iterdir() if f.is_file())
+
+    class SmallDiskFile(io.FileIO):
+        def write(self, b):
+            if used() + len(b) > capacity:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().write(b)
+
+    real_disk_usage = shutil.disk_usage
+
+    def small_disk_usage(path):
+        if os.path.realpath(path).startswith(os.path.realpath(out_dir)):
+            return shutil._ntuple_diskusage(capacity, used(), capacity - used())
+        return real_disk_usage(path)
+
+    checkpointing.open = lambda path, mode: SmallDiskFile(path, mode.replace("b", ""))  # atomic_save's writes
+    shutil.disk_usage = small_disk_usage
 
 status = "exception"
 try:

@@ -67,6 +67,8 @@ FRESH_RUN_CASES = [
     ("text-column-of-lists", "train_ddp.py", ["--dataset", "{lists}"], "not text"),
     ("text-column-of-objects", "train_dp.py", ["--dataset", "{nested}", "--text-column", "meta"],
      "column 'meta' of dataset"),
+    ("wordlevel-tokenizer-without-unk", "train_dp.py", ["--tokenizer", "{wordlevel}"],
+     "is a WordLevel tokenizer without its unknown token ('[UNK]' is not in its vocabulary)"),
 ]
 
 
@@ -77,7 +79,12 @@ def test_bad_invocation_of_a_new_run(tmp_path, corpus, plain_tokenizer, case, sc
     (tmp_path / "numbers.jsonl").write_text(json.dumps({"text": 5}) + "\n")
     (tmp_path / "lists.jsonl").write_text(json.dumps({"text": ["a", "b"]}) + "\n")
     (tmp_path / "nested.jsonl").write_text(json.dumps({"text": "x", "meta": {"lang": "en"}}) + "\n")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    wordlevel = Tokenizer(models.WordLevel({"[PAD]": 0, "[BOT]": 1, "[EOT]": 2, "the": 3}, unk_token="[UNK]"))
+    wordlevel.pre_tokenizer = pre_tokenizers.Whitespace()
+    wordlevel.save(str(tmp_path / "wordlevel.json"))
     fill = {"{empty}": str(tmp_path / "empty.txt"), "{jsonl}": str(tmp_path / "c.jsonl"),
+            "{wordlevel}": str(tmp_path / "wordlevel.json"),
             "{plain_tokenizer}": str(plain_tokenizer), "{numbers}": str(tmp_path / "numbers.jsonl"),
             "{lists}": str(tmp_path / "lists.jsonl"), "{nested}": str(tmp_path / "nested.jsonl")}
     out = tmp_path / "out"
@@ -112,6 +119,38 @@ def test_bad_invocation_against_an_existing_run(tmp_path, corpus, finished_run, 
         torch.save({"weights": torch.zeros(2)}, out / "checkpoint.pt")
     script = "train_ddp.py" if case in ("corrupt-checkpoint", "different-batch") else "train_dp.py"
     check_refused(script, ["--dataset", str(corpus), *FAST, *extra], out, message)
+
+
+@pytest.mark.parametrize("change, message", [
+    ("append a line", "(241 documents, was 240)"),
+    ("swap two lines", "(the same number of documents (240), but their text or order differs)"),
+])
+def test_a_resume_refuses_data_that_changed(tmp_path, corpus, finished_run, change, message):
+    """A changed corpus redraws the held-out split: former validation documents would be
+    trained on. The fingerprint of what was read, not the path, decides."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    lines = corpus.read_text().splitlines()
+    lines = lines + ["one more document"] if change == "append a line" else [lines[1], lines[0], *lines[2:]]
+    changed = tmp_path / corpus.name
+    changed.write_text("\n".join(lines) + "\n")
+    check_refused("train_dp.py", ["--dataset", str(changed), *FAST, "--resume"], out,
+                  f"--dataset {changed} is not the data this run trained on {message}: resume with that data")
+
+
+def test_a_resume_accepts_the_same_data_under_another_path(runs, tmp_path):
+    """Moved, copied or given relative to another folder: the same documents are the same data."""
+    import os
+    from conftest import load_weights, max_weight_diff
+    straight = runs("dp", "train_dp.py")
+    out = tmp_path / "run"
+    run_script("train_dp.py", ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), "--stop-at-step", "4"])
+    moved = tmp_path / "elsewhere" / "renamed.txt"
+    moved.parent.mkdir()
+    shutil.copy(runs.corpus, moved)
+    relative = os.path.relpath(moved, REPO)  # the scripts run in REPO
+    run_script("train_dp.py", ["--dataset", relative, *FAST, "--out-dir", str(out), "--resume"])
+    assert max_weight_diff(load_weights(straight), load_weights(out)) == 0.0
 
 
 def test_leftovers_of_a_run_that_never_saved_a_checkpoint_are_not_overwritten(tmp_path, corpus):
@@ -161,7 +200,10 @@ def test_an_error_under_torchrun_is_printed_once_and_ends_every_rank(tmp_path, c
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert ours == [f"error: dataset {tmp_path / 'c.jsonl'} has no column 'body' (columns: text)"]
     # torchrun then reports the failed workers with a traceback of its own launcher, but no
-    # worker raised: no frame of our code appears
+    # worker raised: no frame of our code appears, and its report gives our line as the cause
+    # (from the error file each worker leaves), not a link to its docs
+    assert f"traceback : error: dataset {tmp_path / 'c.jsonl'} has no column 'body'" in proc.stderr
+    assert "To enable traceback see" not in proc.stderr
     for ours in ("train_ddp.py", "training.py", "data.py", "model.py"):
         assert f'File "{REPO / ours}"' not in proc.stderr
     assert not out.exists()
@@ -206,6 +248,7 @@ BAD_FLAGS = [
     ("--text-column", "content", "has no column 'content'"),
     ("--tokenizer", "{missing}", "cannot load tokenizer"),
     ("--out-dir", "{a_file}", "exists and is not a folder"),
+    ("--out-dir", "", "--out-dir is empty: name a folder"),
     ("--backend", "mpi", "argument --backend: invalid choice: 'mpi'"),
     ("--timeout-minutes", "0", "--timeout-minutes must be a positive number"),
     ("--data-timeout-minutes", "-1", "--data-timeout-minutes must be a positive number"),

@@ -91,15 +91,35 @@ def hostile_texts(n, seed=0):
     return ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 300))) for _ in range(n)]
 
 
+def unbroken_texts(n=60, seed=0):
+    """Long documents without a single whitespace character: minified JSON, base64, digits,
+    letters glued to digits and punctuation, contractions, CJK. Only the tokenizer's own
+    pieces can be cut between."""
+    import base64
+    import random
+    rng = random.Random(seed)
+    makers = [
+        lambda: json.dumps([{"id": i, "name": f"n{i}", "tags": ["a", "b"]} for i in range(rng.randint(5, 200))],
+                           separators=(",", ":")),
+        lambda: base64.b64encode(rng.randbytes(rng.randint(100, 6000))).decode(),
+        lambda: "".join(rng.choice(["abc", "123", "x9", "don't", "it's", "'s", "!!", "日本語", "é", ".", "'"])
+                        for _ in range(rng.randint(50, 2000))),
+        lambda: "".join(rng.choice("abcdefgh") for _ in range(rng.randint(50, 5000))),  # one piece
+    ]
+    return [rng.choice(makers)() for _ in range(n)]
+
+
 def whole_document_ids(texts, tokenizer, seq_len):
-    """The reference: encode every document whole, then frame and clip it."""
+    """The reference: encode every document whole (special-token look-alikes as text), then
+    frame and clip it."""
     bot, eot = tokenizer.token_to_id(BOT), tokenizer.token_to_id(EOT)
-    return [([bot] + e.ids + [eot])[:seq_len + 1] for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+    encodings = data.text_only(tokenizer).encode_batch(texts, add_special_tokens=False)
+    return [([bot] + e.ids + [eot])[:seq_len + 1] for e in encodings]
 
 
 @pytest.mark.parametrize("seq_len", [8, 32, 128])
 def test_clipping_text_before_encoding_changes_no_token_the_model_sees(seq_len):
-    texts = hostile_texts(600) + [" ".join(["the model reads tokens"] * 200)] + DOCS
+    texts = hostile_texts(600) + unbroken_texts() + [" ".join(["the model reads tokens"] * 200)] + DOCS
     tokenizer = data.train_tokenizer(datasets.Dataset.from_dict({"text": texts}), vocab_size=400)
     assert data.clip_is_exact(tokenizer)
     framed = data.tokenize(datasets.Dataset.from_dict({"text": texts}), tokenizer, seq_len)["input_ids"]
@@ -118,10 +138,18 @@ def test_a_huge_document_is_clipped_before_it_is_encoded(tokenizer):
             seen.extend(map(len, texts))
             return tokenizer.encode_batch_fast(texts, **kwargs)
 
+        def encode(self, text, **kwargs):
+            seen.append(len(text))
+            return tokenizer.encode(text, **kwargs)
+
     huge = " ".join(["gradients flow back through every layer"] * 200_000)  # 8 MB
+    minified = json.dumps([{"layer": i, "grad": [0.5, 1.5]} for i in range(200_000)], separators=(",", ":"))
+    letters = "abcdefgh" * 1_000_000  # 8 MB, one piece: no cut between two tokens is known to be exact
     clip_at = data.clip_chars([huge[:20_000]], tokenizer, max_len=33)
-    framed = data._encode({"text": [huge, DOCS[0]]}, Recording(), max_len=33, clip_at=clip_at)["input_ids"]
-    assert framed == whole_document_ids([huge[:10_000], DOCS[0]], tokenizer, 32)
+    framed = data._encode({"text": [huge, minified, letters, DOCS[0]]}, Recording(), max_len=33,
+                          clip_at=clip_at)["input_ids"]
+    assert framed == whole_document_ids([huge[:10_000], minified[:10_000], letters[:100_000], DOCS[0]],
+                                        tokenizer, 32)
     assert max(seen) < 2_000  # never the whole document
 
 
@@ -169,6 +197,77 @@ def test_folder_of_mixed_files(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"text": "from parquet"}]), tmp_path / "three.parquet")
     (tmp_path / "README.md").write_text("not data")  # other files are ignored
     assert sorted(data.load_corpus(str(tmp_path))["text"]) == ["from jsonl", "from parquet", "from txt"]
+
+
+def test_a_folder_yields_every_file_datasets_can_read_and_names_what_it_skips(tmp_path, capsys):
+    """Symlinked folders are followed, compressed shards read, suffixes matched in any case;
+    a file read twice through links counts once; whatever is left out is named."""
+    import gzip
+    import lzma
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "b.txt").write_text("from a linked folder\n")
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "a.txt").write_text("from txt\n")
+    (root / "more").symlink_to("../shards")  # a folder given by a link
+    (root / "again").symlink_to("../shards")  # the same folder twice: read once
+    (root / "loop").symlink_to(".")  # a link back up: no endless walk
+    (root / "part-0.jsonl").write_text(json.dumps({"text": "from jsonl"}) + "\n")
+    with gzip.open(root / "part-1.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"text": "from jsonl.gz"}) + "\n")
+    with lzma.open(root / "part-2.txt.xz", "wt") as f:
+        f.write("from txt.xz\n")
+    (root / "extra.TXT").write_text("from TXT\n")
+    (root / "README.md").write_text("not data")
+    (root / ".git").mkdir()
+    (root / ".git" / "config.txt").write_text("not data either")
+    texts = data.load_corpus(str(root))["text"]
+    assert sorted(texts) == sorted(["from txt", "from a linked folder", "from jsonl", "from jsonl.gz",
+                                    "from txt.xz", "from TXT"])
+    warning = capsys.readouterr().err.strip().splitlines()
+    assert len(warning) == 1 and warning[0].startswith(f"warning: --dataset {root}: skipping 4 entries"), warning
+    for skipped in ["README.md", ".git/ (hidden)", "more/ (already read as ../shards)",
+                    "loop/ (already read as .)"]:
+        assert skipped in warning[0]
+
+
+def test_a_zstd_shard_is_read_or_names_the_package_it_needs(tmp_path):
+    import importlib.util
+    (tmp_path / "part-0.jsonl.zst").write_bytes(b"(\xb5/\xfd not really zstd")
+    if importlib.util.find_spec("zstandard") is None:
+        with pytest.raises(UsageError, match="needs the zstandard package: pip install zstandard"):
+            data.load_corpus(str(tmp_path))
+    else:  # the package is there: the damaged shard is then a one-line read error
+        with pytest.raises(UsageError, match="cannot read"):
+            data.load_corpus(str(tmp_path))
+
+
+def test_the_fingerprint_is_the_content_not_the_path(tmp_path):
+    lines = [f"document {i}" for i in range(50)]
+    (tmp_path / "a.txt").write_text("\n".join(lines) + "\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "copy.txt").write_text("\n".join(lines) + "\n")
+    (tmp_path / "appended.txt").write_text("\n".join(lines + ["one more"]) + "\n")
+    (tmp_path / "swapped.txt").write_text("\n".join(lines[1:2] + lines[:1] + lines[2:]) + "\n")
+    (tmp_path / "regrouped.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                      for t in ["document 0document 1"] + lines[2:] + [""]))
+    fp = {name: data.fingerprint(data.load_corpus(str(tmp_path / name)))
+          for name in ["a.txt", "sub/copy.txt", "appended.txt", "swapped.txt", "regrouped.jsonl"]}
+    assert fp["a.txt"] == fp["sub/copy.txt"] and fp["a.txt"]["documents"] == 50
+    assert fp["appended.txt"]["documents"] == 51
+    assert fp["swapped.txt"]["documents"] == 50 and fp["swapped.txt"] != fp["a.txt"]
+    assert len({fp["a.txt"]["blake2b"], fp["swapped.txt"]["blake2b"], fp["regrouped.jsonl"]["blake2b"]}) == 3
+
+
+def test_special_token_lookalikes_in_a_document_are_text(tokenizer):
+    """Only the framing makes [BOT] and [EOT]: a document that spells them out is encoded as text."""
+    special = {tokenizer.token_to_id(t) for t in (PAD, BOT, EOT)}
+    doc = "before [PAD] middle [BOT][EOT] after"
+    framed = data.tokenize(datasets.Dataset.from_dict({"text": [doc]}), tokenizer, seq_len=128)["input_ids"][0]
+    assert framed[0] == tokenizer.token_to_id(BOT) and framed[-1] == tokenizer.token_to_id(EOT)
+    assert not special & set(framed[1:-1])
+    assert tokenizer.decode(framed[1:-1]) == doc
 
 
 def test_hub_dataset_id_passes_config_and_split_to_load_dataset(monkeypatch):

@@ -64,14 +64,48 @@ def test_preempted_ddp_ranks_agree_on_a_step_save_and_exit_0(runs, tmp_path):
     assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
 
 
-def test_sigusr1_stops_the_dataparallel_script_which_resumes_exactly(runs, tmp_path):
+@pytest.mark.parametrize("signal_name", ["sigusr1", "sigint"])
+def test_sigusr1_or_ctrl_c_stops_the_dataparallel_script_which_resumes_exactly(runs, tmp_path, signal_name):
     reference = runs("dp", "train_dp.py")
     out = tmp_path / "run"
     proc = run_script("train_dp.py", train_args(runs, out), wrapper="tests/inject_fault.py",
-                      env=fault_env(tmp_path, "sigusr1", step=3))
+                      env=fault_env(tmp_path, signal_name, step=3))
     assert proc.returncode == 0 and "stopped by a signal after step 3 of 8" in proc.stdout
+    assert "Traceback" not in proc.stderr
     assert checkpoint_step(out) == 3
     run_script("train_dp.py", train_args(runs, out, "--resume"))
+    assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(runs, tmp_path):
+    out = tmp_path / "run"
+    proc = run_script("train_dp.py", train_args(runs, out), wrapper="tests/inject_fault.py",
+                      env=fault_env(tmp_path, "sigint-twice", step=3), check=False)
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "interrupted"
+    assert not list(out.glob("checkpoint*.pt"))  # at once: no save at step 3
+
+
+def test_a_full_disk_is_one_line_leaves_no_temp_file_and_the_run_resumes(runs, tmp_path):
+    """The disk has room for one checkpoint, not two: the save at step 8 fails. One line names
+    the file, the disk and the space; checkpoint.pt still holds step 4; no temp file is left.
+    With space again, --resume clears stale temp files and ends where a straight run ends."""
+    reference = runs("dp", "train_dp.py")
+    out = tmp_path / "run"
+    one_checkpoint = (reference / "checkpoint.pt").stat().st_size
+    env = {**fault_env(tmp_path, "small-disk", step=0), "FAULT_BYTES": str(int(1.5 * one_checkpoint))}
+    proc = run_script("train_dp.py", train_args(runs, out), wrapper="tests/inject_fault.py", env=env, check=False)
+    ours = [line for line in proc.stderr.splitlines() if "Traceback" in line or line.startswith("error: ")]
+    assert proc.returncode == 2 and len(ours) == 1, proc.stderr
+    assert ours[0].startswith(f"error: no space left to write {out}/checkpoint-00000008.pt (on the disk mounted "
+                              "at /") and " MB are free. Free some space, then run again" in ours[0]
+    assert checkpoint_step(out) == 4 and not list(out.glob("*.tmp"))
+    # what a crash mid-write leaves behind is cleared by the resume; the user's files are not
+    (out / "checkpoint-00000008.pt.tmp").write_bytes(b"torn")
+    (out / "tokenizer.json.tmp").write_bytes(b"")
+    (out / "notes.tmp").write_text("the user's own file")
+    run_script("train_dp.py", train_args(runs, out, "--resume"))
+    assert sorted(p.name for p in out.glob("*.tmp")) == ["notes.tmp"]
     assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
 
 
@@ -255,7 +289,7 @@ def test_a_damaged_metrics_line_is_one_line_before_anything_is_written(runs, tmp
     proc = run_script("train_ddp.py", train_args(runs, out, "--resume"), nproc=2, check=False)
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert ours == [f"error: {out}/metrics.jsonl, line 2: Expecting value: line 1 column 1 (char 0); "
-                    "repair or remove that line to resume"]
+                    "repair or remove that line"]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 

@@ -21,7 +21,7 @@ def test_ranks_hold_different_numbers_of_pad_tokens(corpus):
     """Guard for the equivalence tests below: with this corpus the two ranks' halves of a
     global batch differ in real tokens, so a per-rank mean loss would train a different model."""
     cfg = training.parse_args(["--dataset", str(corpus), *FAST])
-    train_text, val_text = training.load_text(cfg)
+    train_text, val_text, _ = training.load_text(cfg)
     tokenizer = data.train_tokenizer(train_text, cfg.vocab_size)
     train_ds, _ = training.make_datasets(cfg, tokenizer, train_text, val_text)
     real_tokens = []

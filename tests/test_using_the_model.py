@@ -114,14 +114,30 @@ def test_an_unfinished_run_samples_from_its_newest_checkpoint_and_says_so(traine
     (["{out}", "--max-new-tokens", "1024"], "plus --max-new-tokens 1024 exceed the model's 1024 positions"),
     (["{missing}"], "is not an output folder of train_dp.py/train_ddp.py (no config.json)"),
     (["{no_weights}"], "holds no model.pt and no checkpoint: nothing trained yet"),
+    (["{out}", "--seed", str(2**63)], "--seed must be within 0 and 2^63 - 1, got 9223372036854775808"),
+    (["{out}", "--seed", "-1"], "--seed must be within 0 and 2^63 - 1, got -1"),
+    (["{out}", "--temperature", "1e-45"], "--temperature must be 0 (greedy) or at least 0.001, got 1e-45"),
+    (["{out}", "--prompt", "caf\udce9"], "--prompt is not valid UTF-8 text"),  # the byte 0xe9, as argv holds it
+    (["{bad_config}"], "config.json: vocab_size must be a positive integer, got -1"),
 ])
 def test_generate_refuses_bad_input(trained, tmp_path, argv, message):
     no_weights = tmp_path / "no_weights"
     no_weights.mkdir()
     shutil.copy(trained / "config.json", no_weights)
-    fill = {"{out}": str(trained), "{missing}": str(tmp_path / "missing"), "{no_weights}": str(no_weights)}
+    bad_config = tmp_path / "bad_config"
+    shutil.copytree(trained, bad_config)
+    (bad_config / "config.json").write_text(json.dumps({**json.loads((trained / "config.json").read_text()),
+                                                        "vocab_size": -1}))
+    fill = {"{out}": str(trained), "{missing}": str(tmp_path / "missing"), "{no_weights}": str(no_weights),
+            "{bad_config}": str(bad_config)}
     with pytest.raises(UsageError, match=re.escape(message)):
         generate.main([fill.get(a, a) for a in argv])
+
+
+def test_a_prompt_that_spells_out_a_special_token_is_text(trained, capsys):
+    """"[EOT]" typed in a prompt is not the end of a document: it is encoded, and printed, as text."""
+    generate.main([str(trained), "--prompt", "a [EOT] b [BOT]", "--temperature", "0", "--max-new-tokens", "3"])
+    assert capsys.readouterr().out.startswith("a [EOT] b [BOT]")
 
 
 def test_bad_input_to_the_tools_is_one_line_on_stderr(tmp_path):
@@ -149,6 +165,13 @@ def test_export_writes_the_files_transformers_reads(trained, tmp_path):
     assert weights.keys() == {k.replace("base_model.", "model.") for k in ours}
     assert all(torch.equal(weights[k.replace("base_model.", "model.")], v) for k, v in ours.items())
     assert not list(tmp_path.glob(".*partial"))  # written beside, then renamed into place
+
+
+def test_export_into_a_path_under_a_file_is_one_line(trained, tmp_path):
+    (tmp_path / "a_file").write_text("precious")
+    with pytest.raises(UsageError, match=f"the export folder {tmp_path}/a_file/hf: {tmp_path}/a_file is a file"):
+        export_hf.main([str(trained), str(tmp_path / "a_file" / "hf")])
+    assert (tmp_path / "a_file").read_text() == "precious"
 
 
 def test_export_never_overwrites_a_folder_that_holds_files(trained, tmp_path):
@@ -205,6 +228,21 @@ def test_plot_draws_every_logged_point(trained):
     assert len(plot_metrics.series(rows, "tokens_per_s")[1]) == 4
 
 
+def test_plot_names_the_file_it_writes_and_refuses_what_it_cannot(trained, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    plot_metrics.main([str(trained), "-o", str(tmp_path / "curves")])  # no suffix: PNG, and said so
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'curves.png'}\n"
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(UsageError, match=r"--output .*x\.pt: matplotlib cannot write \.pt files \(it writes .*\.png"):
+        plot_metrics.main([str(trained), "-o", str(tmp_path / "x.pt")])
+    no_step = tmp_path / "no_step"
+    no_step.mkdir()
+    (no_step / "metrics.jsonl").write_text('{"loss": 1.0}\n{"step": 2, "loss": 0.5}\n')
+    with pytest.raises(UsageError, match=r"metrics.jsonl, line 1: not a row with a step"):
+        plot_metrics.main([str(no_step), "-o", str(tmp_path / "p.png")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "no_step"]
+
+
 def test_plot_without_matplotlib_says_how_to_get_it(trained, tmp_path):
     code = ("import sys, runpy; sys.modules['matplotlib'] = None; "  # as if it were not installed
             f"sys.argv = ['plot_metrics.py', {str(trained)!r}, '-o', {str(tmp_path / 'p.png')!r}]; "
@@ -237,3 +275,23 @@ def test_the_summary_counts_only_the_steps_of_this_session():
     assert text.splitlines() == [
         "stopped by a signal after step 3000 of 10000: 65,536,000 tokens in 1:02:05 | train loss 3.2500",
         "checkpoint saved in out/checkpoint.pt; continue with --resume"]
+
+
+def test_the_summary_quotes_paths_so_its_commands_paste_into_a_shell():
+    import shlex
+    cfg = training.TrainConfig(out_dir="my runs/ü 1", batch_size=8, seq_len=32, dataset="c.txt")
+    lines = training.summary(cfg, step=8, total_steps=8, first_step=0, seconds=3.0, loss=1.0, val_loss=1.0,
+                             preempted=False).splitlines()
+    assert shlex.split(lines[2].split(":", 1)[1]) == ["python", "generate.py", "my runs/ü 1", "--prompt", "The "]
+    assert shlex.split(lines[3].split(":", 1)[1]) == ["python", "export_hf.py", "my runs/ü 1", "my runs/ü 1-hf"]
+    assert shlex.split(lines[4].split(":", 1)[1]) == ["python", "plot_metrics.py", "my runs/ü 1", "-o",
+                                                      "my runs/ü 1/metrics.png"]
+
+
+def test_a_warmup_as_long_as_the_run_is_warned_about(capsys):
+    cfg = training.TrainConfig(warmup_steps=100, max_steps=50, epochs=1)
+    assert training.total_steps(cfg, steps_per_epoch=80) == 50
+    assert capsys.readouterr().err == ("warning: --warmup-steps 100 is not shorter than the run (50 steps): the "
+                                       "learning rate is still warming up when the run ends, and never decays\n")
+    cfg = training.TrainConfig(warmup_steps=10, max_steps=50, epochs=1)
+    assert training.total_steps(cfg, steps_per_epoch=80) == 50 and capsys.readouterr().err == ""
