@@ -4,9 +4,13 @@
     python bench.py --compile        # also torch.compile our path in Table 2 (slow to compile on a CPU)
 
 Table 1 is the tutorial's comparison: one process, nn.DataParallel (when there is more than
-one GPU) and DDP at world size 1..N (N = the GPUs, or 2 processes on a CPU). Every row
+one GPU), DDP and FSDP at world size 1..N (N = the GPUs, or 2 processes on a CPU). Every row
 trains the same global batch, eager and in --dtype auto's dtype (DataParallel cannot run a
-compiled model); tokens/s counts all positions of every rank. Table 2 starts
+compiled model); tokens/s counts all positions of every rank. Its memory columns give each
+rank's bytes of weights, gradients and AdamW state, counted from the tensors it holds (its
+shards under FSDP), and its peak (CUDA max allocated, or peak RSS on a CPU). Table 3 counts
+those bytes per rank for the article and 1b presets at 1 to 8 ranks on the meta device,
+without allocating them. Table 2 starts
 from the tutorial's formulation (an explicit float causal+padding mask, fp32, logits
 returned and the loss taken outside the model) and turns our changes on one at a time.
 Both go to stdout and to --json. Synthetic right-padded batches are used, so no dataset
@@ -25,8 +29,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 import launcher
+import train_fsdp
 import training
 from model import IGNORE_INDEX, PRESETS, LlamaConfig, LlamaForPretraining
 
@@ -126,9 +132,21 @@ def time_steps(args, model, batches, device, mask=False, loss_inside=True):
             step(*batches[i % len(batches)])
         sync(device)
         seconds = time.perf_counter() - t0
+        held = state_gb(model, optimizer, *batches[0], device)
     finally:
         F.scaled_dot_product_attention = _sdpa
-    return {"steps_per_s": args.steps / seconds, "peak_mem_gb": peak_memory_gb(device)}
+    return {"steps_per_s": args.steps / seconds, "peak_mem_gb": peak_memory_gb(device), "state_gb": held}
+
+
+def state_gb(model, optimizer, x, y, device) -> float:
+    """GB of weights, gradients and AdamW state this process holds: its local shards under
+    FSDP (DTensor.to_local), the whole tensors otherwise. Gradients from one more backward."""
+    loss_sum, n = model(x.to(device), y.to(device))
+    (loss_sum.sum() / n.sum()).backward()
+    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
+               *(v for state in optimizer.state.values() for v in state.values() if v.dim() > 0)]
+    optimizer.zero_grad(set_to_none=True)
+    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors) / 2**30
 
 
 def sync(device):
@@ -146,7 +164,7 @@ def peak_memory_gb(device):
 
 # ---- table 1: one process, DataParallel, DDP ----------------------------------------------
 
-def ddp_worker(rank, world_size, port, args, dtype, results):
+def distributed_worker(rank, world_size, port, args, dtype, kind, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -155,14 +173,17 @@ def ddp_worker(rank, world_size, port, args, dtype, results):
     else:
         torch.set_num_threads(max(1, os.cpu_count() // world_size))  # the cores are shared
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
-    model = nn.parallel.DistributedDataParallel(build(args, device, dtype), device_ids=[rank] if cuda else None,
-                                                **launcher.DDP_OPTIONS)  # as train_ddp.py builds it
+    if kind == "FSDP":  # as train_fsdp.py shards it: fp32 weights, `dtype` through the mixed-precision policy
+        model = train_fsdp.shard(build(args, device, torch.float32), init_device_mesh(device.type, (world_size,)), dtype)
+    else:  # as train_ddp.py builds it
+        model = nn.parallel.DistributedDataParallel(build(args, device, dtype), device_ids=[rank] if cuda else None,
+                                                    **launcher.DDP_OPTIONS)
     shard = [(x[rank::world_size], y[rank::world_size]) for x, y in synthetic_batches(args)]
     row = time_steps(args, model, shard, device)
-    memory = [None] * world_size
-    dist.all_gather_object(memory, row["peak_mem_gb"])
+    per_rank = [None] * world_size
+    dist.all_gather_object(per_rank, (row["peak_mem_gb"], row["state_gb"]))
     if rank == 0:
-        results.put({**row, "peak_mem_gb": memory})
+        results.put({**row, "peak_mem_gb": [m for m, _ in per_rank], "state_gb": [s for _, s in per_rank]})
     dist.destroy_process_group()
 
 
@@ -181,10 +202,27 @@ def scaling_table(args, device, dtype, batches):
         row = time_steps(args, dp, batches, device)
         row["peak_mem_gb"] = [torch.cuda.max_memory_allocated(i) / 2**30 for i in range(torch.cuda.device_count())]
         rows.append(("DataParallel", row))
-    for world_size in range(1, args.max_world_size + 1):
-        results = mp.get_context("spawn").SimpleQueue()
-        mp.spawn(ddp_worker, args=(world_size, free_port(), args, dtype, results), nprocs=world_size)
-        rows.append((f"DDP, world size {world_size}", results.get()))
+    for kind in ("DDP", "FSDP"):
+        for world_size in range(1, args.max_world_size + 1):
+            results = mp.get_context("spawn").SimpleQueue()
+            mp.spawn(distributed_worker, args=(world_size, free_port(), args, dtype, kind, results), nprocs=world_size)
+            rows.append((f"{kind}, world size {world_size}", results.get()))
+    return rows
+
+
+def memory_table(world_sizes=(1, 2, 4, 8)):
+    """GB of fp32 weights, gradients and AdamW's two moments (16 bytes per parameter) that each
+    rank holds, for models too big to allocate here: counted on the meta device. FSDP splits
+    every tensor along its first dimension into world_size equal (padded) pieces."""
+    rows = []
+    for preset in ("article", "1b"):
+        with torch.device("meta"):
+            vocab_size = training.TRAINING_PRESETS[preset]["vocab_size"]
+            params = list(LlamaForPretraining(LlamaConfig(vocab_size=vocab_size, **PRESETS[preset])).parameters())
+        full = sum(p.numel() for p in params)
+        for n in world_sizes:
+            local = sum(-(-p.shape[0] // n) * p[0].numel() for p in params)  # ceil(rows / n) rows each
+            rows.append((preset, full, n, 16 * full / 2**30, 16 * local / 2**30))
     return rows
 
 
@@ -217,11 +255,11 @@ def print_table(title, rows, args):
     # A process's peak RSS never goes down: on a CPU, rows measured in one process show the
     # largest so far. GPU rows (and each DDP process) report their own peak.
     memory = "peak GPU memory (GB)" if torch.cuda.is_available() else "peak RSS so far (GB)"
-    print(f"\n{title}\n{'':2}{'run':<55}{'steps/s':>9}{'tokens/s':>11}  {memory}")
+    print(f"\n{title}\n{'':2}{'run':<55}{'steps/s':>9}{'tokens/s':>11}  {'weights+grads+AdamW (GB)':<26}{memory}")
     for name, row in rows:
-        memory = row["peak_mem_gb"]
-        memory = " / ".join(f"{m:.2f}" for m in memory) if isinstance(memory, list) else f"{memory:.2f}"
-        print(f"  {name:<55}{row['steps_per_s']:>9.2f}{row['steps_per_s'] * tokens:>11,.0f}  {memory}")
+        held, peak = (" / ".join(f"{m:.3f}" for m in (v if isinstance(v, list) else [v]))
+                      for v in (row["state_gb"], row["peak_mem_gb"]))
+        print(f"  {name:<55}{row['steps_per_s']:>9.2f}{row['steps_per_s'] * tokens:>11,.0f}  {held:<26}{peak}")
 
 
 def main():
@@ -233,14 +271,15 @@ def main():
           f"per step | --dtype auto = {dtype} | {args.warmup} warm-up + {args.steps} timed steps per row")
     batches = synthetic_batches(args)
     scaling = scaling_table(args, device, dtype, batches)
-    print_table(f"Table 1: one process, DataParallel, DDP (same global batch; every row eager, {str(dtype)[6:]})",
-                scaling, args)
+    print_table(f"Table 1: one process, DataParallel, DDP, FSDP (same global batch; every row eager, "
+                f"{str(dtype)[6:]}; memory per rank)", scaling, args)
     ablation = ablation_table(args, device, dtype, batches)
     print_table("Table 2: the tutorial's formulation, then our changes one at a time", ablation, args)
 
     speed = {name: row["steps_per_s"] for name, row in scaling + ablation}
     tutorial = ablation[0][1]["steps_per_s"]
-    ratios = {"ddp_world_1_vs_one_process": speed["DDP, world size 1"] / speed["one process"]}
+    ratios = {"ddp_world_1_vs_one_process": speed["DDP, world size 1"] / speed["one process"],
+              "fsdp_vs_ddp_at_world_size_2": speed["FSDP, world size 2"] / speed["DDP, world size 2"]}
     ratios.update({f"{name} vs tutorial": row["steps_per_s"] / tutorial for name, row in ablation[1:]})
     print("\nRatios (tokens/s, side by side in this run):")
     for key, value in ratios.items():
@@ -253,10 +292,15 @@ def main():
     if peak:
         mfu = flops * best * args.batch_size * args.seq_len / 1e12 / peak
         print(f"  MFU of the fastest one-device row: {mfu:.1%} of {peak} TFLOP/s")
+    memory = memory_table()
+    print(f"\nTable 3: GB of weights, gradients and AdamW state per rank (fp32, 16 bytes per parameter; "
+          f"each preset's vocabulary)\n  {'model':<10}{'parameters':>14}{'ranks':>7}{'DDP':>10}{'FSDP':>10}")
+    for preset, n_params, n, ddp_gb, fsdp_gb in memory:
+        print(f"  {preset:<10}{n_params:>14,}{n:>7}{ddp_gb:>10.2f}{fsdp_gb:>10.2f}")
     with open(args.json, "w") as f:
         json.dump({"device": name, "torch": torch.__version__, "args": vars(args), "dtype_auto": str(dtype),
                    "flops_per_token": flops, "scaling": dict(scaling), "ablation": dict(ablation),
-                   "ratios": ratios}, f, indent=2)
+                   "ratios": ratios, "memory_per_rank": memory}, f, indent=2)
     print(f"\nwritten to {args.json}")
 
 

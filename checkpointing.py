@@ -27,6 +27,7 @@ CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS = (
     "checkpoint.pt", "model.pt", "tokenizer.json", "config.json", "metrics.jsonl")
 RUN_FILES = (CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS)  # plus checkpoint-<step>.pt
 NUMBERED = re.compile(r"checkpoint-(\d{8,})\.pt")  # checkpoint-00000400.pt: the step, 8 digits or more
+NUMBERED_DIR = re.compile(r"checkpoint-(\d{8,})")  # checkpoint-00000400/: a sharded one (train_fsdp.py)
 
 
 def numbered_checkpoints(out: Path) -> list[Path]:
@@ -77,6 +78,7 @@ def resuming(out_dir: str, resume: bool) -> bool:
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out-dir {out} exists and is not a folder")
     checkpoints = [p for p in [out / CHECKPOINT, *numbered_checkpoints(out)] if p.is_file()]
+    checkpoints += [p for p in out.glob("checkpoint-*") if p.is_dir() and NUMBERED_DIR.fullmatch(p.name)]
     if resume or (restart_count() and checkpoints):
         if not checkpoints:
             raise UsageError(f"nothing to resume: {out} holds no checkpoint")
@@ -130,11 +132,16 @@ def load_checkpoint(path) -> dict:
 
 
 def checkpoint_state(model, optimizer, scheduler, cfg, step, train_ds) -> dict:
+    return {"model": model.state_dict(),  # the plain module: no `module.` / `_orig_mod.` prefixes
+            "optimizer": optimizer.state_dict(),
+            **run_state(model, scheduler, cfg, step, train_ds)}
+
+
+def run_state(model, scheduler, cfg, step, train_ds) -> dict:
+    """Everything in a checkpoint besides the model's and the optimizer's tensors."""
     steps_per_epoch = len(train_ds) // cfg.batch_size
     epoch, step_in_epoch = divmod(step, steps_per_epoch)
     return {
-        "model": model.state_dict(),  # the plain module: no `module.` / `_orig_mod.` prefixes
-        "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "steps_per_epoch": steps_per_epoch,
         "corpus": train_ds.corpus,  # what data the run trains on (data.fingerprint): a resume must match it
@@ -151,6 +158,11 @@ def restore(ckpt: dict, model, optimizer, scheduler) -> int:
     """Load a checkpoint into freshly built objects (on every rank); return its step."""
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
+    return restore_run_state(ckpt, scheduler)
+
+
+def restore_run_state(ckpt: dict, scheduler) -> int:
+    """What run_state saved, back in place; returns the step."""
     scheduler.load_state_dict(ckpt["scheduler"])
     torch.set_rng_state(ckpt["rng"]["torch"])
     if ckpt["rng"]["cuda"] is not None and torch.cuda.is_available():
@@ -210,9 +222,13 @@ def remove_temp_files(out: Path):
     """Delete the temp files a crash (or a full disk) left behind in a run's folder: only the
     names atomic_save gives, and only while this run holds the folder's lock."""
     ours = [out / (name + ".tmp") for name in RUN_FILES]
-    ours += [p for p in out.glob("checkpoint-*.pt.tmp") if NUMBERED.fullmatch(p.name[:-len(".tmp")])]
+    ours += [p for p in out.glob("checkpoint-*.tmp") if NUMBERED.fullmatch(p.name[:-len(".tmp")])
+             or NUMBERED_DIR.fullmatch(p.name[:-len(".tmp")])]
     for tmp in ours:
-        tmp.unlink(missing_ok=True)
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp)  # a sharded checkpoint that not every rank finished
+        else:
+            tmp.unlink(missing_ok=True)
 
 
 def _fsync_dir(folder: Path):

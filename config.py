@@ -94,6 +94,8 @@ TRAINING_PRESETS = {
                  save_every=100, eval_every=50),
     "article": dict(vocab_size=50000, seq_len=512, batch_size=64, max_steps=None, warmup_steps=1000,
                     save_every=1000, eval_every=1000),
+    "1b": dict(vocab_size=50000, seq_len=1024, batch_size=64, max_steps=None, warmup_steps=1000,
+               save_every=1000, eval_every=1000),
 }
 
 

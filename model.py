@@ -50,6 +50,10 @@ PRESETS = {
                  num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2),
     "article": dict(max_position_embeddings=2048, hidden_size=768, intermediate_size=3072,
                     num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=3),
+    # `1b`: Llama-3.2-1B's dimensions (untied, with our 50K vocabulary: 1.18B parameters),
+    # 17.6 GiB of weights, gradients and AdamW state: the size where FSDP (train_fsdp.py) pays.
+    "1b": dict(max_position_embeddings=2048, hidden_size=2048, intermediate_size=8192,
+               num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8),
 }
 
 
@@ -243,8 +247,9 @@ class LlamaForPretraining(nn.Module):
         loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
         n_tokens = (targets != IGNORE_INDEX).sum()
-        # 1-element tensors, not 0-dim: DataParallel gathers them without a warning
-        return loss_sum.reshape(1), n_tokens.reshape(1)
+        # 1-element tensors, not 0-dim: DataParallel gathers them without a warning; and new
+        # tensors, not views of others: FSDP warns about views returned by a sharded module
+        return torch.stack([loss_sum]), torch.stack([n_tokens])
 
     def new_kv_caches(self, batch_size: int, max_len: int) -> list[KVCache]:
         """Empty caches, one per layer, for generating up to max_len positions in all."""

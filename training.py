@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 
 import checkpointing
 import data
+import sharded_checkpointing
 from checkpointing import CHECKPOINT, CONFIG, METRICS, MODEL, TOKENIZER, atomic_save
 # the flags live in config.py; the scripts (and the tools) reach them through this module
 from config import TRAINING_PRESETS, ArgumentParser, TrainConfig, micro_batch_size, parse_args  # noqa: F401
@@ -43,11 +44,12 @@ class OneProcess:
     local_rank0_first = from_rank0 = everywhere
 
 
-def prepare_data(cfg: TrainConfig, turns=OneProcess()):
+def prepare_data(cfg: TrainConfig, turns=OneProcess(), sharded: bool = False):
     """The checkpoint to resume from (None for a new run), the tokenizer, and the training
-    and held-out datasets. Tokenized once: `datasets` caches the result on disk."""
+    and held-out datasets. Tokenized once: `datasets` caches the result on disk. sharded:
+    the run's checkpoints are train_fsdp.py's."""
     resuming = turns.everywhere(lambda: checkpointing.resuming(cfg.out_dir, cfg.resume))  # refuses to overwrite a run
-    ckpt = turns.everywhere(lambda: load_run(cfg.out_dir)) if resuming else None
+    ckpt = turns.everywhere(lambda: load_run(cfg.out_dir, sharded)) if resuming else None
     train_text, val_text, corpus = turns.local_rank0_first(lambda: load_text(cfg, ckpt))
     # one tokenizer for the whole job: rank 0 trains (or loads) it and sends it to all
     tokenizer = Tokenizer.from_str(turns.from_rank0(lambda: get_tokenizer(cfg, train_text, resuming).to_str()))
@@ -116,11 +118,22 @@ def make_datasets(cfg: TrainConfig, tokenizer: Tokenizer, train_text, val_text, 
     return train, val
 
 
-def val_loader(val_ds, rank: int, world_size: int, batch_size: int):
+def val_loader(val_ds, rank: int, world_size: int, batch_size: int, same_length: bool = False):
     """Every rank takes every world_size-th held-out sequence, without DistributedSampler's
-    padding (which repeats samples and would bias the loss); the sums are then all-reduced."""
-    shard = torch.utils.data.Subset(val_ds, range(rank, len(val_ds), world_size))
+    padding (which repeats samples and would bias the loss); the sums are then all-reduced.
+    same_length: ranks with one sequence fewer get a sequence of padding, whose targets are
+    all ignored, so that every rank runs the same number of forwards (FSDP needs that)."""
+    indices = list(range(rank, len(val_ds), world_size))
+    if same_length and len(indices) < -(-len(val_ds) // world_size):
+        indices.append(-1)  # -1: the padding sequence
+    shard = [val_ds[i] if i >= 0 else _padding(val_ds) for i in indices] if same_length else \
+        torch.utils.data.Subset(val_ds, indices)
     return torch.utils.data.DataLoader(shard, batch_size=batch_size)
+
+
+def _padding(ds: data.PaddedSequenceDataset):
+    x = torch.full((ds.seq_len,), ds.pad_id, dtype=torch.long)
+    return x, torch.full((ds.seq_len,), data.IGNORE_INDEX, dtype=torch.long)
 
 
 # ---------------------------------------------------------------------------------------
@@ -206,7 +219,11 @@ def resume(ckpt: dict | None, cfg: TrainConfig, model, optimizer, scheduler, ste
     if ckpt["steps_per_epoch"] != steps_per_epoch:
         raise UsageError(f"the dataset changed since the checkpoint ({steps_per_epoch} steps per epoch, "
                          f"was {ckpt['steps_per_epoch']})")
-    step = checkpointing.restore(ckpt, model, optimizer, scheduler)
+    if ckpt.get("sharded"):  # train_fsdp.py's: every rank reads the shards it needs, resharding them
+        sharded_checkpointing.restore(ckpt, model, optimizer)
+        step = checkpointing.restore_run_state(ckpt, scheduler)
+    else:
+        step = checkpointing.restore(ckpt, model, optimizer, scheduler)
     if is_rank0():
         print(f"resumed from {ckpt['path']} at step {step} (restart {restart_count()})")
     return step
@@ -338,8 +355,15 @@ def describe(model: LlamaForPretraining, train_ds, steps_per_epoch: int, total_s
 def stop_if_diverged(step: int, cfg: TrainConfig, loss: float | None = None, model: torch.nn.Module | None = None):
     """Raise if the logged loss, or any weight about to be saved, is not finite: nothing
     non-finite reaches metrics.jsonl or a checkpoint, and the older checkpoints stay good."""
-    # one reduction and one host sync for all weights, not one per parameter
-    weights_bad = model is not None and not torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()
+    weights_bad = False
+    if model is not None:
+        # one reduction and one host sync for all weights, not one per parameter; under FSDP
+        # each rank checks its own shards (to_local) and the ranks agree on the answer
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        finite = torch.stack([torch.isfinite(p).all() for p in local]).all().to(torch.int32)
+        if len(local) and local[0] is not next(model.parameters()):
+            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        weights_bad = not finite.item()
     if weights_bad or (loss is not None and not math.isfinite(loss)):
         what = "weights are not finite" if weights_bad else f"loss is {loss}"
         raise UsageError(f"training diverged: the {what} at step {step}. Start again with a lower --lr "
@@ -372,11 +396,18 @@ def read_metrics(path: Path, warn_if_torn: bool = True) -> list[dict]:
     return rows
 
 
-def load_run(out_dir: str) -> dict:
+def load_run(out_dir: str, sharded: bool = False) -> dict:
     """What a resumed run continues: its newest readable checkpoint, and a metrics.jsonl
-    that can be read (the run appends to it)."""
+    that can be read (the run appends to it). sharded: train_fsdp.py's checkpoints."""
     read_metrics(Path(out_dir) / METRICS)
-    return checkpointing.load_latest_checkpoint(out_dir)
+    out = Path(out_dir)
+    has_sharded = bool(sharded_checkpointing.sharded_checkpoints(out))
+    if sharded and not has_sharded:
+        raise UsageError(f"{out} holds checkpoints of train_dp.py/train_ddp.py, not sharded ones: continue that "
+                         "run with train_ddp.py (or train_dp.py)")
+    if not sharded and has_sharded:
+        raise UsageError(f"{out} holds sharded checkpoints of train_fsdp.py: continue that run with train_fsdp.py")
+    return sharded_checkpointing.load_latest_checkpoint(out) if sharded else checkpointing.load_latest_checkpoint(out)
 
 
 class MetricsLog:

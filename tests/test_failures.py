@@ -333,8 +333,10 @@ def test_two_nodes_train_the_same_model_as_one_node(runs, tmp_path):
     assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
 
 
-def test_the_slurm_script_builds_the_torchrun_command_from_slurm_variables(tmp_path):
-    script = REPO / "slurm" / "train_ddp.sbatch"
+@pytest.mark.parametrize("script_env, script_name", [({}, "train_ddp.py"),
+                                                     ({"SCRIPT": "train_fsdp.py"}, "train_fsdp.py")])
+def test_the_slurm_script_builds_the_torchrun_command_from_slurm_variables(tmp_path, script_env, script_name):
+    script = REPO / "slurm" / "train.sbatch"
     subprocess.run(["bash", "-n", str(script)], check=True)  # it parses
     stubs = tmp_path / "bin"
     stubs.mkdir()
@@ -343,13 +345,13 @@ def test_the_slurm_script_builds_the_torchrun_command_from_slurm_variables(tmp_p
     for stub in stubs.iterdir():
         stub.chmod(0o755)
     env = {"PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2",
-           "SLURM_JOB_ID": "4242", "SLURM_GPUS_ON_NODE": "8"}
+           "SLURM_JOB_ID": "4242", "SLURM_GPUS_ON_NODE": "8", **script_env}
     proc = subprocess.run(["bash", str(script), "--model", "article", "--out-dir", "/shared/run"],
                           env=env, capture_output=True, text=True, check=True)
     assert proc.stdout.splitlines() == [
         "signals=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "torchrun", "--nnodes=2", "--nproc_per_node=8",
         "--max-restarts=3", "--rdzv-id=4242", "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:29500",
-        "train_ddp.py", "--model", "article", "--out-dir", "/shared/run"]
+        script_name, "--model", "article", "--out-dir", "/shared/run"]
     directives = [line for line in script.read_text().splitlines() if line.startswith("#SBATCH")]
     assert "#SBATCH --ntasks-per-node=1" in directives and "#SBATCH --signal=USR1@120" in directives
 

@@ -115,7 +115,8 @@ def test_compiled_run_trains_the_same_model_and_its_checkpoints_load_into_a_plai
 
 
 def test_bench_runs_every_row_and_writes_its_table(tmp_path):
-    """bench.py at toy size: one process, DDP at world sizes 1 and 2 (gloo), the ablation."""
+    """bench.py at toy size: one process, DDP and FSDP at world sizes 1 and 2 (gloo), the
+    ablation, and the memory each rank holds: FSDP's ranks hold half of what DDP's do."""
     import json
     import subprocess
     import sys
@@ -126,8 +127,14 @@ def test_bench_runs_every_row_and_writes_its_table(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
-    assert list(result["scaling"]) == ["one process", "DDP, world size 1", "DDP, world size 2"]
-    assert len(result["scaling"]["DDP, world size 2"]["peak_mem_gb"]) == 2  # one figure per rank
+    scaling = result["scaling"]
+    assert list(scaling) == ["one process", "DDP, world size 1", "DDP, world size 2", "FSDP, world size 1",
+                             "FSDP, world size 2"]
+    assert len(scaling["DDP, world size 2"]["peak_mem_gb"]) == 2  # one figure per rank
+    ddp, fsdp = scaling["DDP, world size 2"]["state_gb"], scaling["FSDP, world size 2"]["state_gb"]
+    assert ddp[0] == ddp[1] == scaling["one process"]["state_gb"]  # every DDP rank holds it all
+    assert all(abs(f / ddp[0] - 0.5) < 0.01 for f in fsdp)  # each FSDP rank half (the embedding rows pad)
+    assert [row[:3] for row in result["memory_per_rank"]][-1] == ["1b", 1_177_946_112, 8]
     assert list(result["ablation"])[0] == "tutorial: float mask, fp32, loss outside"
     assert all(row["steps_per_s"] > 0 for table in ("scaling", "ablation") for row in result[table].values())
     assert "ddp_world_1_vs_one_process" in result["ratios"] and "Table 2" in proc.stdout

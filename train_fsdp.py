@@ -1,0 +1,179 @@
+"""Train the Llama model with FSDP2 (fully_shard): one process per GPU, launched by torchrun.
+
+    torchrun --standalone --nproc_per_node=4 train_fsdp.py     # 4 GPUs (or 4 CPU processes)
+    python train_fsdp.py                                        # a world of one process
+
+DDP keeps the whole weights, gradients and AdamW state on every GPU: 16 bytes per parameter.
+FSDP keeps 1/N of each on each of N ranks, gathers a layer's weights only while that layer
+runs, and reduce-scatters its gradients: each rank gets the part it updates. The price is
+an all-gather per layer in forward and in backward. Checkpoints are sharded too.
+Read `diff train_ddp.py train_fsdp.py`: it shows exactly what FSDP changes.
+"""
+
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+import checkpointing
+import launcher
+import sharded_checkpointing
+import training
+from data import ResumableDistributedSampler
+from model import IGNORE_INDEX
+
+
+def shard(model, mesh, dtype: torch.dtype, compile_layers: bool = False):
+    """FSDP: shard the model in place, in groups gathered whole only while they run: each
+    decoder layer (freed after its forward, gathered again for backward: reshard_after_forward),
+    the embedding, and the final norm with the LM head (kept from the end of forward into
+    backward, which starts with them). MixedPrecisionPolicy replaces autocast: groups are
+    gathered in `dtype` to compute; gradients are reduced in fp32 into the fp32 shards."""
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in model.base_model.layers:
+        if compile_layers:
+            layer.compile()  # each layer, before it is sharded: the state_dict keeps its keys
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model.base_model.embed_tokens, mesh=mesh, mp_policy=policy)
+    fully_shard([model.base_model.norm, model.lm_head], mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: starts each forward's gathers
+
+
+def main():
+    cfg = training.parse_args(ddp=True, description=__doc__)
+    # DDP: torchrun tells each process who it is. RANK: its place in the whole job;
+    # LOCAL_RANK: its place on this machine, which picks the GPU (RANK would pick GPU 5
+    # on a 4-GPU node 2). Under plain `python` it is a world of one.
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    is_main = rank == 0  # the one process that prints, logs and writes files
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # before init, else every rank opens a context on GPU 0
+    else:
+        device = torch.device("cpu")
+    micro_batch = training.micro_batch_size(cfg, world_size)  # per process and micro-step
+    dtype = training.compute_dtype(cfg.dtype, device)  # matmuls in dtype; weights and loss stay fp32
+    backend = cfg.backend or ("nccl" if device.type == "cuda" else "gloo")
+    launcher.init_process_group(backend, cfg.timeout_minutes)  # DDP: join the job's processes
+    prep, control = launcher.side_groups(backend, cfg.timeout_minutes, cfg.data_timeout_minutes)
+    mesh = init_device_mesh(device.type, (world_size,))  # FSDP: the ranks that share each tensor
+
+    # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
+    # DDP: local rank 0 of each node prepares the data first; the others then read its cache
+    ckpt, tokenizer, train_ds, val_ds = training.prepare_data(cfg, launcher.InTurns(prep, local_rank), sharded=True)
+    steps_per_epoch = len(train_ds) // cfg.batch_size  # full global batches only
+    total_steps = training.total_steps(cfg, steps_per_epoch)
+
+    # ---- model and optimizer ----
+    raw_model = shard(training.build_model(cfg, tokenizer.get_vocab_size(), torch.float32).to(device), mesh, dtype,
+                      cfg.compile)  # FSDP: each rank now holds 1/world_size of every weight
+    optimizer, scheduler = training.make_optimizer(raw_model, cfg, total_steps)  # FSDP: on this rank's shards
+    step = training.resume(ckpt, cfg, raw_model, optimizer, scheduler, steps_per_epoch)  # 0 for a new run
+    if is_main:
+        checkpointing.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
+    model = raw_model  # FSDP: sharded in place, no wrapper
+
+    # Each rank reads every world_size-th sample of one shared permutation, so the ranks'
+    # batches together are exactly the global batch that train_dp.py sees at this step.
+    sampler = ResumableDistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True,
+                                          seed=cfg.seed, drop_last=True)
+    loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
+                        pin_memory=device.type == "cuda")
+    val_loader = training.val_loader(val_ds, rank, world_size, micro_batch, same_length=True)  # FSDP: see there
+    metrics = training.MetricsLog(cfg.out_dir, enabled=is_main, resume_step=step)
+    writer = sharded_checkpointing.ShardedCheckpointWriter(cfg.out_dir, cfg.keep_checkpoints, prep)  # FSDP: all ranks
+    stop = training.StopSignal()  # SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
+    if is_main:
+        print(training.describe(raw_model, train_ds, steps_per_epoch, total_steps, micro_batch, cfg, device, dtype))
+
+    # ---- training loop ----
+    last_step = min(total_steps, cfg.stop_at_step or total_steps)
+    train_totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, targets] since last log
+    pbar = tqdm(total=total_steps, initial=step, dynamic_ncols=True, disable=not is_main)
+    peak = training.peak_tflops(device, dtype, n_devices=world_size)  # for MFU
+    speedometer = training.Speedometer(cfg, raw_model.flops_per_token(cfg.seq_len), peak)
+    batches, preempted, started = None, False, time.perf_counter()
+    first_step, loss, val_loss = step, None, None  # for the summary at the end
+    while step < last_step:
+        epoch, step_in_epoch = divmod(step, steps_per_epoch)
+        if batches is None or step_in_epoch == 0:
+            # a new epoch reshuffles; a resumed run skips the samples it has already seen
+            sampler.set_epoch(epoch, start=step_in_epoch * micro_batch * cfg.grad_accum)
+            batches = iter(loader)
+        micro_batches = training.next_micro_batches(batches, cfg.grad_accum, device)
+        # Real (non-pad) targets in this whole optimizer step. Dividing each micro-batch's
+        # summed loss by this count weighs every token the same, however many pads there are.
+        n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
+        dist.all_reduce(n_tokens)  # DDP: count the targets of every rank's share of the step
+        for x, y in micro_batches:
+            # FSDP: every micro-step reduce-scatters its gradients into the shards (torchtitan's
+            # choice). Syncing only the last would save traffic but hold unsharded gradients.
+            loss_sum = model(x, y)[0].sum()
+            # FSDP averages gradients over ranks; times world_size makes that a sum, as in DDP
+            (loss_sum * world_size / n_tokens).backward()
+            train_totals[0] += loss_sum.detach()
+        train_totals[1] += n_tokens
+
+        # ---- the optimizer step: clip, step, next LR, clear gradients ----
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        speedometer.step()
+        pbar.update()
+        # The signal reaches the ranks at different moments; one tiny all-reduce per step
+        # makes all of them stop after the same step instead of racing.
+        flag = torch.tensor([stop.requested], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
+        preempted = bool(flag.item())
+
+        if step % cfg.log_every == 0 or step == last_step:
+            dist.all_reduce(train_totals[:1])  # loss sums of every rank (the counts are global already)
+            loss = (train_totals[0] / train_totals[1]).item()  # token-weighted mean since last log
+            training.stop_if_diverged(step, cfg, loss=loss)  # before anything is logged
+            speed = speedometer.report(nonpad_tokens=train_totals[1].item())
+            metrics.write(step=step, epoch=epoch, loss=loss, lr=lr, **speed)
+            pbar.set_postfix(training.progress(loss, speed))
+            train_totals.zero_()
+        with speedometer.paused():  # saving and evaluation do not count as training time
+            saving = step % cfg.save_every == 0 or step == last_step or preempted
+            if saving:
+                training.stop_if_diverged(step, cfg, model=raw_model)  # on every rank, before saving
+                # FSDP: every rank writes its own shards, from a background thread after a copy in
+                # memory; no rank gathers the whole state
+                writer.save(raw_model, optimizer, checkpointing.run_state(raw_model, scheduler, cfg, step, train_ds))
+            if (step % cfg.eval_every == 0 or step == last_step) and not preempted:
+                totals = training.evaluate(raw_model, val_loader, device)  # the plain module: no wrapper
+                dist.all_reduce(totals)  # [loss sum, targets] over every rank's shard
+                val_loss = (totals[0] / totals[1]).item()
+                metrics.write(step=step, epoch=epoch, val_loss=val_loss)
+                if is_main:  # tqdm.write prints even where the bar is disabled
+                    tqdm.write(f"step {step}: val loss {val_loss:.4f}")
+        if preempted:
+            break
+    pbar.close()
+    writer.wait()  # the last checkpoint is on disk before we go on
+
+    if step == total_steps:  # FSDP: gathered from every rank's shards into rank 0's memory
+        full_state = sharded_checkpointing.full_model_state(raw_model)
+    if is_main:
+        if step == total_steps:  # plain keys, as the other scripts write them
+            checkpointing.atomic_save(full_state, Path(cfg.out_dir) / checkpointing.MODEL)
+        print(training.summary(cfg, step, total_steps, first_step, time.perf_counter() - started, loss, val_loss,
+                               preempted))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    launcher.exit_on_usage_error(main)
