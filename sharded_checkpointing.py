@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
-from checkpointing import NUMBERED_DIR, _fsync_dir, atomic_save, load_pt
+from checkpointing import NUMBERED_DIR, CheckpointWriter, _fsync_dir, atomic_save, load_pt
 from errors import UsageError
 from launcher import warn
 
@@ -59,17 +59,17 @@ def load_latest_checkpoint(out_dir) -> dict:
     raise UsageError(failures[0] if failures else f"{out_dir} holds no sharded checkpoint")
 
 
-class ShardedCheckpointWriter:
+class ShardedCheckpointWriter(CheckpointWriter):
     """Saves sharded checkpoints without stalling training for the disk. save() is a
     collective: every rank copies its shards to CPU memory (the only part training waits
     for) and writes them from a background thread, coordinated over `group` (gloo), not over
     the group training uses. When all ranks have written, rank 0 adds the train state and
     renames the folder into place. One save at a time: the next one, and the end of the
-    run, wait for the previous one."""
+    run, wait for the previous one (wait() is CheckpointWriter's)."""
 
     def __init__(self, out_dir: str, keep: int, group):
-        self.out, self.keep, self.group = Path(out_dir), keep, group
-        self.pending, self.error = None, None
+        super().__init__(out_dir, keep)
+        self.out, self.group = Path(out_dir), group
 
     def save(self, model, optimizer, train_state: dict):
         self.wait()
@@ -81,9 +81,9 @@ class ShardedCheckpointWriter:
         model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's shards (DTensors)
         future = dcp.async_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp,
                                 process_group=self.group)
-        self.pending = threading.Thread(target=self._finish, args=(future, tmp, final, train_state),
-                                        name="checkpoint-writer")
-        self.pending.start()
+        self.thread = threading.Thread(target=self._finish, args=(future, tmp, final, train_state),
+                                       name="checkpoint-writer")
+        self.thread.start()
 
     def _finish(self, future, tmp: Path, final: Path, train_state: dict):
         try:
@@ -97,15 +97,6 @@ class ShardedCheckpointWriter:
                     shutil.rmtree(old)
         except BaseException as e:  # re-raised in the training thread by wait()
             self.error = e
-
-    def wait(self):
-        """Block until the last checkpoint is written (and, on rank 0, in place); raise if it failed."""
-        if self.pending is not None:
-            self.pending.join()
-            self.pending = None
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
 
 
 def restore(ckpt: dict, model, optimizer) -> None:
