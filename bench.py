@@ -254,8 +254,8 @@ def print_table(title, rows, args):
     tokens = args.batch_size * args.seq_len
     # A process's peak RSS never goes down: on a CPU, rows measured in one process show the
     # largest so far. GPU rows (and each DDP process) report their own peak.
-    memory = "peak GPU memory (GB)" if torch.cuda.is_available() else "peak RSS so far (GB)"
-    print(f"\n{title}\n{'':2}{'run':<55}{'steps/s':>9}{'tokens/s':>11}  {'weights+grads+AdamW (GB)':<26}{memory}")
+    memory = "peak GPU memory (GiB)" if torch.cuda.is_available() else "peak RSS so far (GiB)"
+    print(f"\n{title}\n{'':2}{'run':<55}{'steps/s':>9}{'tokens/s':>11}  {'weights+grads+AdamW (GiB)':<26}{memory}")
     for name, row in rows:
         held, peak = (" / ".join(f"{m:.3f}" for m in (v if isinstance(v, list) else [v]))
                       for v in (row["state_gb"], row["peak_mem_gb"]))
@@ -293,7 +293,7 @@ def main():
         mfu = flops * best * args.batch_size * args.seq_len / 1e12 / peak
         print(f"  MFU of the fastest one-device row: {mfu:.1%} of {peak} TFLOP/s")
     memory = memory_table()
-    print(f"\nTable 3: GB of weights, gradients and AdamW state per rank (fp32, 16 bytes per parameter; "
+    print(f"\nTable 3: GiB of weights, gradients and AdamW state per rank (fp32, 16 bytes per parameter; "
           f"each preset's vocabulary)\n  {'model':<10}{'parameters':>14}{'ranks':>7}{'DDP':>10}{'FSDP':>10}")
     for preset, n_params, n, ddp_gb, fsdp_gb in memory:
         print(f"  {preset:<10}{n_params:>14,}{n:>7}{ddp_gb:>10.2f}{fsdp_gb:>10.2f}")
