@@ -359,9 +359,11 @@ def stop_if_diverged(step: int, cfg: TrainConfig, loss: float | None = None, mod
     if model is not None:
         # one reduction and one host sync for all weights, not one per parameter; under FSDP
         # each rank checks its own shards (to_local) and the ranks agree on the answer
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-        finite = torch.stack([torch.isfinite(p).all() for p in local]).all().to(torch.int32)
-        if len(local) and local[0] is not next(model.parameters()):
+        params = list(model.parameters())
+        sharded = any(hasattr(p, "to_local") for p in params)  # FSDP's DTensors
+        finite = torch.stack([torch.isfinite(p.to_local() if sharded else p).all() for p in params]).all()
+        if sharded:
+            finite = finite.to(torch.int32)
             torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
         weights_bad = not finite.item()
     if weights_bad or (loss is not None and not math.isfinite(loss)):
