@@ -9,7 +9,7 @@ import torch
 import checkpointing
 import generate
 from conftest import FAST, ddp_two_ranks, load_weights, max_weight_diff, metrics, run_script, without_speed
-from test_bad_inputs import check_refused
+from test_bad_inputs import refused_in_process
 from test_failures import exit_codes, fault_env
 
 # Clipping is the one place where FSDP sums in another order than DDP: it takes each
@@ -104,10 +104,11 @@ def test_an_incomplete_newest_checkpoint_falls_back_and_a_half_written_one_is_cl
     ("train_ddp.py", "fsdp2", "holds sharded checkpoints of train_fsdp.py: continue that run with train_fsdp.py"),
     ("train_dp.py", "fsdp2", "holds sharded checkpoints of train_fsdp.py"),
 ])
-def test_a_run_of_the_other_kind_is_refused_and_left_untouched(runs, tmp_path, script, run, message):
+def test_a_run_of_the_other_kind_is_refused_and_left_untouched(runs, tmp_path, script, run, message, monkeypatch,
+                                                               capsys):
     out = tmp_path / "run"
     shutil.copytree(fsdp_two_ranks(runs) if run == "fsdp2" else runs("dp", "train_dp.py"), out)
-    check_refused(script, ["--dataset", str(runs.corpus), *FAST, "--resume"], out, message)
+    refused_in_process(script, ["--dataset", str(runs.corpus), *FAST, "--resume"], out, message, monkeypatch, capsys)
 
 
 def test_bf16_under_fsdp_learns_and_saves_fp32_weights(runs):

@@ -9,7 +9,7 @@ import torch
 import data
 import checkpointing
 import training
-from conftest import FAST, FAST_WITH_TOKENIZER, ddp_two_ranks, load_weights, max_weight_diff, metrics, run_script, without_speed
+from conftest import FAST, FAST_WITH_TOKENIZER, REPO, ddp_two_ranks, load_weights, max_weight_diff, metrics, run_script, without_speed
 from model import IGNORE_INDEX, LlamaForPretraining
 
 # DDP at 2 ranks sums gradients in a different order than one process, so weights agree to
@@ -109,7 +109,10 @@ def test_output_folder_holds_what_the_readme_promises(runs):
     assert data.load_tokenizer(out / "tokenizer.json").get_vocab_size() == 300
 
 
-def test_resume_is_bitwise_exact(runs):
+def test_resume_is_bitwise_exact_with_the_same_data_under_another_path(runs, tmp_path):
+    """The data is recognized by its content (moved, renamed, given by a relative path)."""
+    import os
+    import shutil
     straight = runs("dp", "train_dp.py")
     half = runs("dp_half", "train_dp.py", ["--stop-at-step", "4"])
     assert not (half / "model.pt").exists()  # stopped early: a checkpoint, no final weights
@@ -117,7 +120,11 @@ def test_resume_is_bitwise_exact(runs):
     # a run killed after logging step 6 but before its next checkpoint leaves a stale row
     with open(half / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 6, "epoch": 0, "loss": 99.0, "lr": 0.0, "tokens_per_s": 1.0}) + "\n")
-    run_script("train_dp.py", ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(half), "--resume"])
+    moved = tmp_path / "elsewhere" / "renamed.txt"
+    moved.parent.mkdir()
+    shutil.copy(runs.corpus, moved)
+    relative = os.path.relpath(moved, REPO)  # the scripts run in REPO
+    run_script("train_dp.py", ["--dataset", relative, *FAST, "--out-dir", str(half), "--resume"])
     assert max_weight_diff(load_weights(straight), load_weights(half)) == 0.0
     # metrics.jsonl continues from the checkpoint's step, with the same losses as the straight run
     assert without_speed(metrics(half)) == without_speed(metrics(straight))
