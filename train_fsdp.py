@@ -33,8 +33,9 @@ def shard(model, mesh, dtype: torch.dtype, compile_layers: bool = False):
     """FSDP: shard the model in place, in groups gathered whole only while they run: each
     decoder layer (freed after its forward, gathered again for backward: reshard_after_forward),
     the embedding, and the final norm with the LM head (kept from the end of forward into
-    backward, which starts with them). MixedPrecisionPolicy replaces autocast: groups are
-    gathered in `dtype` to compute; gradients are reduced in fp32 into the fp32 shards."""
+    backward, which starts with them: less memory than one root group, see bench_grouping.py).
+    MixedPrecisionPolicy replaces autocast: groups are gathered in `dtype` to compute;
+    gradients are reduced in fp32 into the fp32 shards."""
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in model.base_model.layers:
         if compile_layers:

@@ -1,0 +1,96 @@
+"""Measure how train_fsdp.py groups the embedding and the LM head, against the simplest grouping.
+
+    python bench_grouping.py                 # article model, 2 ranks (gloo on a CPU, NCCL on GPUs)
+
+  layers only  fully_shard on each decoder layer, then the root: the embedding, final norm
+               and LM head fall to the root's group, gathered when forward starts and kept
+               until backward ends
+  ours         train_fsdp.shard(): the embedding alone (freed after its forward), the norm
+               with the LM head (gathered at the end of forward, kept into backward)
+
+Each variant runs in fresh processes (the model built on the meta device, so no full copy
+ever exists) for a few AdamW steps; it prints every rank's peak memory: CUDA max allocated
+on GPUs, peak RSS on a CPU.
+"""
+
+import argparse
+import os
+import resource
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import train_fsdp
+import training
+from model import PRESETS, LlamaConfig, LlamaForPretraining
+
+
+def worker(rank, world_size, port, args, variant, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, os.cpu_count() // world_size))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
+    mesh = init_device_mesh(device.type, (world_size,))
+    dtype = training.compute_dtype("auto", device)
+    vocab_size = training.TRAINING_PRESETS[args.model]["vocab_size"]
+    with torch.device("meta"):
+        model = LlamaForPretraining(LlamaConfig(vocab_size=vocab_size, **PRESETS[args.model]))
+    if variant == "ours":
+        train_fsdp.shard(model, mesh, dtype)
+    else:
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for layer in model.base_model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+    model.to_empty(device=device)  # values do not matter here, only sizes
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.fill_(0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(3, vocab_size, (args.batch_size // world_size, args.seq_len), device=device)
+    for _ in range(args.steps):
+        loss_sum, n_tokens = model(x, x)
+        (loss_sum.sum() / n_tokens.sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    peak = (torch.cuda.max_memory_allocated(device) if cuda
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**20
+    peaks = [None] * world_size
+    dist.all_gather_object(peaks, peak)
+    if rank == 0:
+        results.put(peaks)
+    os._exit(0)  # as bench.py's workers: no teardown right after the last collective
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(PRESETS), default="article")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=4, help="global sequences per step")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="runs of each variant, alternating")
+    args = p.parse_args()
+    memory = "CUDA max allocated" if torch.cuda.is_available() else "peak RSS"
+    print(f"{args.model} model, {args.world_size} ranks, {args.batch_size} x {args.seq_len} tokens per step: "
+          f"{memory} per rank (MiB)")
+    for _ in range(args.repeats):
+        for variant in ("layers only", "ours"):
+            results = mp.get_context("spawn").SimpleQueue()
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            mp.spawn(worker, args=(args.world_size, port, args, variant, results), nprocs=args.world_size)
+            print(f"  {variant:<12}" + " / ".join(f"{m:,.0f}" for m in results.get()))
+
+
+if __name__ == "__main__":
+    main()
