@@ -164,7 +164,8 @@ def peak_memory_gb(device):
 
 # ---- table 1: one process, DataParallel, DDP ----------------------------------------------
 
-def distributed_worker(rank, world_size, port, args, dtype, kind, results):
+def join_world(rank, world_size, port) -> torch.device:
+    """Start a spawned worker's process group (NCCL on GPUs, gloo on a CPU); return its device."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -173,6 +174,12 @@ def distributed_worker(rank, world_size, port, args, dtype, kind, results):
     else:
         torch.set_num_threads(max(1, os.cpu_count() // world_size))  # the cores are shared
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
+    return device
+
+
+def distributed_worker(rank, world_size, port, args, dtype, kind, results):
+    device = join_world(rank, world_size, port)
+    cuda = device.type == "cuda"
     if kind == "FSDP":  # as train_fsdp.py shards it: fp32 weights, `dtype` through the mixed-precision policy
         model = train_fsdp.shard(build(args, device, torch.float32), init_device_mesh(device.type, (world_size,)), dtype)
     else:  # as train_ddp.py builds it

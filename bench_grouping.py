@@ -16,7 +16,6 @@ on GPUs, peak RSS on a CPU.
 import argparse
 import os
 import resource
-import socket
 
 import torch
 import torch.distributed as dist
@@ -24,20 +23,15 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+import bench
 import train_fsdp
 import training
 from model import PRESETS, LlamaConfig, LlamaForPretraining
 
 
 def worker(rank, world_size, port, args, variant, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, os.cpu_count() // world_size))
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
+    device = bench.join_world(rank, world_size, port)
+    cuda = device.type == "cuda"
     mesh = init_device_mesh(device.type, (world_size,))
     dtype = training.compute_dtype("auto", device)
     vocab_size = training.TRAINING_PRESETS[args.model]["vocab_size"]
@@ -85,10 +79,8 @@ def main():
     for _ in range(args.repeats):
         for variant in ("layers only", "ours"):
             results = mp.get_context("spawn").SimpleQueue()
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            mp.spawn(worker, args=(args.world_size, port, args, variant, results), nprocs=args.world_size)
+            mp.spawn(worker, args=(args.world_size, bench.free_port(), args, variant, results),
+                     nprocs=args.world_size)
             print(f"  {variant:<12}" + " / ".join(f"{m:,.0f}" for m in results.get()))
 
 
