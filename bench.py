@@ -4,7 +4,8 @@
     python bench.py --compile        # also torch.compile our path in Table 2 (slow to compile on a CPU)
 
 Table 1 is the tutorial's comparison: one process, nn.DataParallel (when there is more than
-one GPU), DDP and FSDP at world size 1..N (N = the GPUs, or 2 processes on a CPU). Every row
+one GPU), DDP and FSDP at world size 1..N (N = the GPUs, or 2 processes on a CPU; at most
+--max-world-size). FSDP rows need torch 2.6 or newer; older ones leave them out. Every row
 trains the same global batch, eager and in --dtype auto's dtype (DataParallel cannot run a
 compiled model); tokens/s counts all positions of every rank. Its memory columns give each
 rank's bytes of weights, gradients and AdamW state, counted from the tensors it holds (its
@@ -29,14 +30,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-
 import launcher
-import train_fsdp
 import training
 from model import IGNORE_INDEX, PRESETS, LlamaConfig, LlamaForPretraining
 
-def parse_args():
+def parse_args(argv=None):
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(PRESETS), default="article" if cuda else "tiny")
@@ -45,9 +43,14 @@ def parse_args():
     p.add_argument("--steps", type=int, default=20 if cuda else 8, help="timed steps per row")
     p.add_argument("--warmup", type=int, default=5 if cuda else 2, help="untimed steps per row")
     p.add_argument("--compile", action="store_true", help="torch.compile our path (on by default on a GPU)")
-    p.add_argument("--max-world-size", type=int, default=torch.cuda.device_count() if cuda else 2)
+    p.add_argument("--max-world-size", type=int, default=torch.cuda.device_count() if cuda else 2,
+                   help="largest DDP/FSDP world in Table 1 (default: every GPU, or 2 CPU processes)")
     p.add_argument("--json", default="bench.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.max_world_size < 1:
+        p.error(f"--max-world-size must be at least 1, got {args.max_world_size}")
+    if cuda and args.max_world_size > torch.cuda.device_count():  # one process per GPU
+        p.error(f"--max-world-size {args.max_world_size}: this machine has {torch.cuda.device_count()} GPU(s)")
     args.compile = args.compile or cuda
     preset = training.TRAINING_PRESETS[args.model]  # the sizes train_dp.py and train_ddp.py use
     args.vocab_size = preset["vocab_size"]
@@ -125,8 +128,9 @@ def time_steps(args, model, batches, device, mask=False, loss_inside=True):
         for i in range(args.warmup):
             step(*batches[i % len(batches)])
         sync(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        if device.type == "cuda":  # on every GPU that DataParallel computes on, not only the first
+            for index in getattr(model, "device_ids", None) or [device.index]:
+                torch.cuda.reset_peak_memory_stats(index)
         t0 = time.perf_counter()
         for i in range(args.steps):
             step(*batches[i % len(batches)])
@@ -177,10 +181,21 @@ def join_world(rank, world_size, port) -> torch.device:
     return device
 
 
+def fsdp_available() -> bool:
+    """FSDP2's fully_shard is public from torch 2.6 on; DP and DDP need only 2.5."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def distributed_worker(rank, world_size, port, args, dtype, kind, results):
     device = join_world(rank, world_size, port)
     cuda = device.type == "cuda"
     if kind == "FSDP":  # as train_fsdp.py shards it: fp32 weights, `dtype` through the mixed-precision policy
+        import train_fsdp  # here, not at the top: DP and DDP rows run on torch 2.5 too
+        from torch.distributed.device_mesh import init_device_mesh
         model = train_fsdp.shard(build(args, device, torch.float32), init_device_mesh(device.type, (world_size,)), dtype)
     else:  # as train_ddp.py builds it
         model = nn.parallel.DistributedDataParallel(build(args, device, dtype), device_ids=[rank] if cuda else None,
@@ -212,7 +227,13 @@ def scaling_table(args, device, dtype, batches):
         row = time_steps(args, dp, batches, device)
         row["peak_mem_gb"] = [torch.cuda.max_memory_allocated(i) / 2**30 for i in range(torch.cuda.device_count())]
         rows.append(("DataParallel", row))
-    for kind in ("DDP", "FSDP"):
+        del dp
+    if device.type == "cuda":  # hand this process's cached blocks back: the workers share its GPUs
+        torch.cuda.empty_cache()
+    kinds = ("DDP", "FSDP") if fsdp_available() else ("DDP",)
+    if "FSDP" not in kinds:
+        print(f"(no FSDP rows: torch {torch.__version__} has no torch.distributed.fsdp.fully_shard; it needs 2.6)")
+    for kind in kinds:
         for world_size in range(1, args.max_world_size + 1):
             results = mp.get_context("spawn").SimpleQueue()
             mp.spawn(distributed_worker, args=(world_size, free_port(), args, dtype, kind, results), nprocs=world_size)
@@ -272,8 +293,8 @@ def print_table(title, rows, args):
         print(f"  {name:<55}{row['steps_per_s']:>9.2f}{row['steps_per_s'] * tokens:>11,.0f}  {held:<26}{peak}")
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dtype = training.compute_dtype("auto", device)
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
@@ -288,8 +309,10 @@ def main():
 
     speed = {name: row["steps_per_s"] for name, row in scaling + ablation}
     tutorial = ablation[0][1]["steps_per_s"]
-    ratios = {"ddp_world_1_vs_one_process": speed["DDP, world size 1"] / speed["one process"],
-              "fsdp_vs_ddp_at_world_size_2": speed["FSDP, world size 2"] / speed["DDP, world size 2"]}
+    ratios = {"ddp_world_1_vs_one_process": speed["DDP, world size 1"] / speed["one process"]}
+    for n in range(1, args.max_world_size + 1):  # the worlds this run measured (one GPU: only 1)
+        if f"FSDP, world size {n}" in speed:
+            ratios[f"fsdp_vs_ddp_at_world_size_{n}"] = speed[f"FSDP, world size {n}"] / speed[f"DDP, world size {n}"]
     ratios.update({f"{name} vs tutorial": row["steps_per_s"] / tutorial for name, row in ablation[1:]})
     print("\nRatios (tokens/s, side by side in this run):")
     for key, value in ratios.items():

@@ -16,20 +16,23 @@ on GPUs, peak RSS on a CPU.
 import argparse
 import os
 import resource
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import bench
-import train_fsdp
 import training
 from model import PRESETS, LlamaConfig, LlamaForPretraining
 
 
 def worker(rank, world_size, port, args, variant, results):
+    # FSDP2 is imported where it is used: on a torch before 2.6, main() says so in one line
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import train_fsdp
     device = bench.join_world(rank, world_size, port)
     cuda = device.type == "cuda"
     mesh = init_device_mesh(device.type, (world_size,))
@@ -73,6 +76,10 @@ def main():
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2, help="runs of each variant, alternating")
     args = p.parse_args()
+    if not bench.fsdp_available():
+        print(f"error: bench_grouping.py measures FSDP2, which needs torch 2.6 or newer (this is {torch.__version__})",
+              file=sys.stderr)
+        sys.exit(2)
     memory = "CUDA max allocated" if torch.cuda.is_available() else "peak RSS"
     print(f"{args.model} model, {args.world_size} ranks, {args.batch_size} x {args.seq_len} tokens per step: "
           f"{memory} per rank (MiB)")

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from data import load_tokenizer
 from errors import UsageError, first_line
-from launcher import restart_count, warn
+from launcher import finish_before_exit, restart_count, warn
 from model import LlamaConfig, LlamaForPretraining
 
 CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS = (
@@ -34,6 +34,13 @@ def numbered_checkpoints(out: Path) -> list[Path]:
     """The checkpoint-<step>.pt files this trainer wrote, oldest first. Only these exact names
     are ever pruned or resumed from: a user's checkpoint-best.pt or copy is left alone."""
     found = [(int(m.group(1)), p) for p in out.glob("checkpoint-*.pt") if (m := NUMBERED.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def sharded_checkpoints(out: Path) -> list[Path]:
+    """The checkpoint-<step>/ folders train_fsdp.py wrote (sharded_checkpointing.py), oldest first."""
+    found = [(int(m.group(1)), p) for p in out.glob("checkpoint-*")
+             if (m := NUMBERED_DIR.fullmatch(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
 
 
@@ -78,7 +85,7 @@ def resuming(out_dir: str, resume: bool) -> bool:
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out-dir {out} exists and is not a folder")
     checkpoints = [p for p in [out / CHECKPOINT, *numbered_checkpoints(out)] if p.is_file()]
-    checkpoints += [p for p in out.glob("checkpoint-*") if p.is_dir() and NUMBERED_DIR.fullmatch(p.name)]
+    checkpoints += sharded_checkpoints(out)
     if resume or (restart_count() and checkpoints):
         if not checkpoints:
             raise UsageError(f"nothing to resume: {out} holds no checkpoint")
@@ -277,6 +284,7 @@ class CheckpointWriter:
     def __init__(self, out_dir: str, keep: int):
         self.out_dir, self.keep = out_dir, keep
         self.thread, self.error = None, None
+        finish_before_exit(self.wait)  # an error in the training loop lets a save in flight complete
 
     def save(self, state: dict):
         self.wait()

@@ -39,9 +39,32 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
+# Background work to finish before the process ends or its process group goes: checkpoints
+# still being written (checkpointing.CheckpointWriter registers its wait). A sharded save
+# talks to the other ranks until its last file is written.
+_UNFINISHED = []
+
+
+def finish_before_exit(wait):
+    _UNFINISHED.append(wait)
+
+
+def _finish_background_work():
+    """On the way out after an error: let a save in flight complete (what it saves was checked
+    before the save began) instead of tearing the process group down under it, which would
+    leave a half-written checkpoint behind. Its own failure is a warning: the error that ended
+    the run has been printed already."""
+    while _UNFINISHED:
+        try:
+            _UNFINISHED.pop()()
+        except Exception as e:
+            warn(f"the checkpoint being saved was not completed: {first_line(e)}")
+
+
 def exit_on_usage_error(main):
     """Call main(). A UsageError becomes one line on stderr (printed once, by rank 0) and
-    exit status 2. The process group, if any, is destroyed on every way out."""
+    exit status 2. A checkpoint still being written is completed first, and the process
+    group, if any, is destroyed on every way out."""
     try:
         main()
     except UsageError as e:
@@ -56,6 +79,7 @@ def exit_on_usage_error(main):
             print("interrupted", file=sys.stderr)
         sys.exit(130)  # what a shell reports for Ctrl-C
     finally:
+        _finish_background_work()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -76,8 +100,11 @@ def tell_torchrun(message: str):
 
 
 # How DDP is built, for speed:
-# - gradient_as_bucket_view: gradients live inside DDP's all-reduce buckets, so no copy in
-#   and out of the buckets and no second set of gradient-sized tensors;
+# - gradient_as_bucket_view: gradients live inside DDP's all-reduce buckets, so there is no
+#   second set of gradient-sized tensors and no copy out of the buckets after the all-reduce.
+#   After zero_grad(set_to_none=True) each backward's fresh gradient is still copied into its
+#   bucket once (and freed); set_to_none=False avoids that copy but zeroes the buckets and
+#   adds into them instead, which measured no faster (docs/benchmarks.md);
 # - no buffer sync before each forward: our only buffers are RoPE's cos/sin tables, which
 #   every rank computes identically, so broadcasting them every step is wasted traffic.
 #   (torch 2.13 renamed broadcast_buffers to forward_sync_buffers; torch 2.5 knows only the old name.)

@@ -95,10 +95,14 @@ def rotate_half(x):
 
 
 def apply_rotary_pos_emb(q, k, cos, sin):
-    # q: (B, H, T, D), k: (B, K, T, D), cos/sin: (T, D) broadcast over batch and heads
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
-    return q, k
+    # q: (B, H, T, D), k: (B, K, T, D), cos/sin: (T, D) broadcast over batch and heads.
+    # Rotated in fp32, returned in the dtype q and k came in: under bf16, fp32 tables would
+    # otherwise promote q and k to fp32 while v stays bf16, and attention would take its
+    # fp32 path (on CUDA: every key/value head repeated, and fp32 copies kept for backward).
+    def rotate(x):
+        x32 = x.float()
+        return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+    return rotate(q), rotate(k)
 
 
 class KVCache:

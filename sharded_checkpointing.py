@@ -20,21 +20,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
-from checkpointing import NUMBERED_DIR, CheckpointWriter, _fsync_dir, atomic_save, load_pt
+from checkpointing import CheckpointWriter, _fsync_dir, atomic_save, load_pt, sharded_checkpoints
 from errors import UsageError
 from launcher import warn
 
 TRAIN_STATE = "train_state.pt"
-
-
-def sharded_checkpoints(out: Path) -> list[Path]:
-    """The checkpoint-<step>/ folders train_fsdp.py wrote, oldest first."""
-    found = [(int(m.group(1)), p) for p in out.glob("checkpoint-*")
-             if (m := NUMBERED_DIR.fullmatch(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
 
 
 def load_latest_checkpoint(out_dir) -> dict:
@@ -79,7 +73,12 @@ class ShardedCheckpointWriter(CheckpointWriter):
             shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crash
         dist.barrier(group=self.group)
         model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's shards (DTensors)
-        future = dcp.async_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp,
+        # The writer stages the shards into CPU memory here, before async_save returns. It
+        # copies nothing ahead from a GPU (per_thread_copy_ahead=0): by default DCP's writer
+        # thread would, on GPU 0's stream whatever this rank's GPU, opening a CUDA context
+        # there from every rank (0.3-0.5 GiB each) for tensors already in CPU memory.
+        writer = FileSystemWriter(tmp, per_thread_copy_ahead=0)
+        future = dcp.async_save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer,
                                 process_group=self.group)
         self.thread = threading.Thread(target=self._finish, args=(future, tmp, final, train_state),
                                        name="checkpoint-writer")

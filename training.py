@@ -21,7 +21,6 @@ from tokenizers import Tokenizer
 
 import checkpointing
 import data
-import sharded_checkpointing
 from checkpointing import CHECKPOINT, CONFIG, METRICS, MODEL, TOKENIZER, atomic_save
 # the flags live in config.py; the scripts (and the tools) reach them through this module
 from config import TRAINING_PRESETS, ArgumentParser, TrainConfig, micro_batch_size, parse_args  # noqa: F401
@@ -220,6 +219,7 @@ def resume(ckpt: dict | None, cfg: TrainConfig, model, optimizer, scheduler, ste
         raise UsageError(f"the dataset changed since the checkpoint ({steps_per_epoch} steps per epoch, "
                          f"was {ckpt['steps_per_epoch']})")
     if ckpt.get("sharded"):  # train_fsdp.py's: every rank reads the shards it needs, resharding them
+        import sharded_checkpointing  # here: DCP takes 0.7 s to import, which DP and DDP never need
         sharded_checkpointing.restore(ckpt, model, optimizer)
         step = checkpointing.restore_run_state(ckpt, scheduler)
     else:
@@ -403,13 +403,16 @@ def load_run(out_dir: str, sharded: bool = False) -> dict:
     that can be read (the run appends to it). sharded: train_fsdp.py's checkpoints."""
     read_metrics(Path(out_dir) / METRICS)
     out = Path(out_dir)
-    has_sharded = bool(sharded_checkpointing.sharded_checkpoints(out))
+    has_sharded = bool(checkpointing.sharded_checkpoints(out))
     if sharded and not has_sharded:
         raise UsageError(f"{out} holds checkpoints of train_dp.py/train_ddp.py, not sharded ones: continue that "
                          "run with train_ddp.py (or train_dp.py)")
     if not sharded and has_sharded:
         raise UsageError(f"{out} holds sharded checkpoints of train_fsdp.py: continue that run with train_fsdp.py")
-    return sharded_checkpointing.load_latest_checkpoint(out) if sharded else checkpointing.load_latest_checkpoint(out)
+    if sharded:
+        import sharded_checkpointing  # as in resume(): only train_fsdp.py needs DCP
+        return sharded_checkpointing.load_latest_checkpoint(out)
+    return checkpointing.load_latest_checkpoint(out)
 
 
 class MetricsLog:

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,135 @@ SPEED = {"tokens_per_s", "tokens_per_s_nonpad", "flops_per_token", "tflops", "mf
 def without_speed(rows: list[dict]) -> list[dict]:
     """Metrics rows without the timing fields, the only ones that differ between equal runs."""
     return [{k: v for k, v in row.items() if k not in SPEED} for row in rows]
+
+
+# ---- Comparing two runs ----------------------------------------------------------------
+# Two runs that train the same model on the same tokens end bitwise equal only if they also
+# add in the same order. Another world size, gradient accumulation, FSDP's clipping (each
+# gradient's norm from its shards' norms) and compiled kernels add in another order: their
+# weights then differ by rounding, which AdamW amplifies where gradients are near zero, and
+# by how much depends on the CPU's kernels (AVX-512, AVX2, ATEN_CPU_CAPABILITY=default). So
+# no bound here is a number seen on one machine. Each is FLOOR_MULTIPLE times a rounding
+# floor measured in the same session: the distance between the plain one-process run and
+# the same run with the sequences of every micro-batch in reverse order (tests/perturb.py):
+# the same tokens and weights, only added up in another order.
+#
+# Measured by `python tests/calibrate_tolerances.py DIR` (these settings: 8 steps, fp32), as
+# multiples of the floor, on an AMD EPYC with AVX2 / the same under ATEN_CPU_CAPABILITY=default:
+#   floor: weights 8.6e-7 / 8.0e-7, logged losses 1.2e-7 / 1.2e-7 (relative)
+#   DDP(2) vs one process         1.7x / 0.5x      grad-accum 2 vs none             1.9x / 2.3x
+#   DDP(2) with grad-accum 2      3.2x / 1.1x      FSDP(2) vs DDP(2), clipping on   1.5x / 0.5x
+#   FSDP(2), grad-accum 2 vs none 2.6x / 2.4x      compiled vs eager                4.5x / (no compile)
+#   the logged losses of every pair: at most 1.2x their floor
+# The mutants such a bound must catch (tests/perturb.py), weights / logged losses:
+#   one micro-batch of 16 dropped    6,100x / 41,000x   (and 6,500x under default)
+#   the LR schedule one step ahead   8,100x / 365,000x
+#   each rank's own mean (DDP)       3,600x / 9,300,000x
+# 20x leaves 4x of room above the largest honest distance and 180x below the nearest bug.
+FLOOR_MULTIPLE = 20
+
+# bf16 against fp32 is no reordering: it is another arithmetic, and its weights differ as
+# much as a bug's do (2e-3 after 8 steps). bf16 runs are compared by their logged losses,
+# within BF16_MULTIPLE times the bf16 floor: the same reversal, measured on a bf16 run.
+# Measured as above (the 4-step bf16 runs of BF16, AVX2 / default): the bf16 floor 4.0e-5 /
+# 6.7e-5; train_dp.py bf16 vs fp32 3.3x / 1.7x; DDP(2) bf16 + compile vs fp32 2.8x; FSDP(2)
+# bf16 vs FSDP(1) bf16 1.1x / 0.8x. Mutants: one micro-batch dropped 246x / 149x, the LR
+# schedule one step ahead 1,300x / 785x. 15x: 4.5x above the first, 10x below the second.
+# FSDP's bf16 is compared with FSDP's own: it gathers every weight in bf16, so its residual
+# stream is bf16 too where autocast keeps it fp32, which puts it 4-8x the floor from fp32
+# after 4 steps and 11-22x after 8, by design.
+BF16_MULTIPLE = 15
+
+
+@dataclass(frozen=True)
+class Floor:
+    weights: float  # max |w_plain - w_reordered| over every weight
+    loss: float     # max relative difference of a logged loss or val loss
+
+
+LOSSES = ("loss", "val_loss")
+
+
+def _losses_and_rest(rows):
+    rest = [{k: v for k, v in row.items() if k not in LOSSES} for row in without_speed(rows)]
+    return [row.get(k) for row in rows for k in LOSSES], rest
+
+
+def max_loss_diff(a: Path, b: Path) -> float:
+    """The largest relative difference between the losses a and b logged, after checking that
+    they logged the same rows (steps, epochs, learning rates) and the same kinds of loss."""
+    (losses_a, rest_a), (losses_b, rest_b) = _losses_and_rest(metrics(a)), _losses_and_rest(metrics(b))
+    assert rest_a == rest_b
+    assert [x is None for x in losses_a] == [y is None for y in losses_b]
+    return max(abs(x - y) / abs(y) for x, y in zip(losses_a, losses_b) if y is not None)
+
+
+def measure_floor(plain: Path, reordered: Path) -> Floor:
+    weights = load_weights(plain)
+    # never below one rounding step of float32: a machine where reversing changed nothing
+    # still allows the smallest difference another order can make
+    ulp = torch.finfo(torch.float32).eps
+    largest = max(w.abs().max().item() for w in weights.values())
+    return Floor(weights=max(max_weight_diff(weights, load_weights(reordered)), ulp * largest),
+                 loss=max(max_loss_diff(reordered, plain), ulp))
+
+
+REVERSED = {"wrapper": "tests/perturb.py", "env": {"PERTURB": "reverse-batches"}}
+
+
+@pytest.fixture(scope="session")
+def floor(runs) -> Floor:
+    """The rounding floor of the fp32 runs (see FLOOR_MULTIPLE), measured on this machine."""
+    return measure_floor(runs("dp", "train_dp.py"), runs("dp_reversed", "train_dp.py", **REVERSED))
+
+
+# The bf16 runs are 4 steps, not 8: on a CPU without native bf16 (AVX2 only) a bf16 matmul
+# is about 16 times slower than an fp32 one. Their fp32 reference is the same 4 steps.
+BF16 = ["--dtype", "bf16", "--max-steps", "4", "--log-every", "1", "--eval-every", "2", "--save-every", "2"]
+FP32_LIKE_BF16 = ["--dtype", "fp32", *BF16[2:]]
+
+
+@pytest.fixture(scope="session")
+def bf16_floor(runs) -> Floor:
+    """The same for the bf16 runs (see BF16_MULTIPLE)."""
+    reversed_run = runs("dp_bf16_reversed", "train_dp.py", BF16, **REVERSED)
+    return measure_floor(runs("dp_bf16", "train_dp.py", BF16), reversed_run)
+
+
+def assert_same_weights(a: Path, b: Path, floor: Floor | None = None):
+    """Runs a and b ended with the same weights: bitwise with floor=None, else within
+    FLOOR_MULTIPLE times the floor (the distance is printed, for the record)."""
+    distance = max_weight_diff(load_weights(a), load_weights(b))
+    if floor is None:
+        assert distance == 0.0
+        return
+    print(f"weights {distance:.2e} = {distance / floor.weights:.1f}x the floor {floor.weights:.2e}")
+    assert distance <= FLOOR_MULTIPLE * floor.weights, f"weights {distance:.3e}, floor {floor.weights:.3e}"
+
+
+def assert_same_metrics(a: Path, b: Path, floor: Floor | None = None):
+    """Runs a and b logged the same rows (timings aside): bitwise, or their losses within
+    FLOOR_MULTIPLE times the floor and everything else equal."""
+    if floor is None:
+        assert without_speed(metrics(a)) == without_speed(metrics(b))
+        return
+    distance = max_loss_diff(a, b)
+    print(f"losses {distance:.2e} = {distance / floor.loss:.1f}x the floor {floor.loss:.2e}")
+    assert distance <= FLOOR_MULTIPLE * floor.loss, f"losses {distance:.3e}, floor {floor.loss:.3e}"
+
+
+def assert_same_model(a: Path, b: Path, floor: Floor | None = None):
+    """Runs a and b trained the same model: the same weights and the same logged rows."""
+    assert_same_weights(a, b, floor)
+    assert_same_metrics(a, b, floor)
+
+
+def assert_follows_in_bf16(run: Path, reference: Path, bf16_floor: Floor):
+    """A bf16 run trained the model its reference (the fp32 run, or for FSDP its own bf16 in
+    a world of one) trained: it learns, and every loss it logs is within BF16_MULTIPLE times
+    the bf16 floor of the reference's."""
+    losses = [row["loss"] for row in metrics(run) if "loss" in row]
+    assert losses[-1] < losses[0] - 0.5  # it learns
+    distance = max_loss_diff(run, reference)
+    print(f"losses {distance:.2e} = {distance / bf16_floor.loss:.1f}x the bf16 floor {bf16_floor.loss:.2e}")
+    assert distance <= BF16_MULTIPLE * bf16_floor.loss, f"losses {distance:.3e}, bf16 floor {bf16_floor.loss:.3e}"

@@ -14,6 +14,9 @@ first attempt only: after torchrun restarts the workers, the run goes on unharme
                       a trainer that saved in its training loop would never get there
     slow-prepare      loading the corpus takes FAULT_SECONDS longer than it does (a cold cache:
                       a download, a tokenizer to train); FAULT_STEP is unused
+    diverge-mid-save  (train_fsdp.py, every rank) the loss logged at FAULT_STEP is NaN, while the
+                      sharded checkpoint saved before it is still being written: its write
+                      waits until the divergence has been raised
 Each process records how it ended in $FAULT_LOG_DIR/exit-rank<RANK>.txt.
 """
 
@@ -28,7 +31,8 @@ import torch
 
 fault, at_step = os.environ["FAULT"], int(os.environ["FAULT_STEP"])
 rank = os.environ.get("RANK", "0")
-armed = rank == os.environ.get("FAULT_RANK", "0") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+armed = ((rank == os.environ.get("FAULT_RANK", "0") or fault == "diverge-mid-save")
+         and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
 reached = threading.Event()
 steps = 0
 real_clip = torch.nn.utils.clip_grad_norm_
@@ -83,6 +87,27 @@ if fault == "slow-prepare" and armed:
         return real_load_text(*args, **kwargs)
 
     training.load_text = slow_load_text
+
+if fault == "diverge-mid-save" and armed:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    import training
+
+    diverged = threading.Event()
+    real_stop_if_diverged, real_write_data = training.stop_if_diverged, FileSystemWriter.write_data
+
+    def nan_at_step(step, cfg, loss=None, model=None):
+        if step == at_step and loss is not None:
+            diverged.set()  # the UsageError is on its way
+            loss = float("nan")
+        return real_stop_if_diverged(step, cfg, loss=loss, model=model)
+
+    def write_after_divergence(self, *args, **kwargs):
+        diverged.wait()
+        return real_write_data(self, *args, **kwargs)
+
+    training.stop_if_diverged = nan_at_step
+    FileSystemWriter.write_data = write_after_divergence
 
 if fault == "small-disk" and armed:
     import errno

@@ -1,5 +1,6 @@
-"""Bad input ends with one clear line on stderr and a non-zero exit, before anything in
-the output folder is created or overwritten."""
+"""Bad input ends with one clear line on stderr and exit status 2, before anything in the
+output folder is created or overwritten. Most cases run a script's main() in this process
+(refused_in_process), as `python SCRIPT` would; a few run it as a subprocess, as a user does."""
 
 import hashlib
 import json
@@ -89,7 +90,8 @@ FRESH_RUN_CASES = [
 
 
 @pytest.mark.parametrize("case, script, extra, message", FRESH_RUN_CASES, ids=[c[0] for c in FRESH_RUN_CASES])
-def test_bad_invocation_of_a_new_run(tmp_path, corpus, plain_tokenizer, case, script, extra, message):
+def test_bad_invocation_of_a_new_run(tmp_path, corpus, plain_tokenizer, case, script, extra, message, monkeypatch,
+                                     capsys):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "c.jsonl").write_text(json.dumps({"text": "a document"}) + "\n")
     (tmp_path / "numbers.jsonl").write_text(json.dumps({"text": 5}) + "\n")
@@ -108,7 +110,7 @@ def test_bad_invocation_of_a_new_run(tmp_path, corpus, plain_tokenizer, case, sc
     (out / "notes.txt").write_text("the user's own file")  # must survive untouched
     fast = FAST_WITH_TOKENIZER if "--tokenizer" in extra else FAST
     args = ["--dataset", str(corpus), *fast, *[fill.get(a, a) for a in extra]]
-    check_refused(script, args, out, message)
+    refused_in_process(script, args, out, message, monkeypatch, capsys)  # the subprocess smoke tests are below
 
 
 RESUME_CASES = [
@@ -122,7 +124,8 @@ RESUME_CASES = [
 
 
 @pytest.mark.parametrize("case, extra, message", RESUME_CASES, ids=[c[0] for c in RESUME_CASES])
-def test_bad_invocation_against_an_existing_run(tmp_path, corpus, finished_run, case, extra, message):
+def test_bad_invocation_against_an_existing_run(tmp_path, corpus, finished_run, case, extra, message, monkeypatch,
+                                                capsys):
     out = tmp_path / "run"
     shutil.copytree(finished_run, out)
     if case == "corrupt-checkpoint":  # every checkpoint torn: nothing to fall back to
@@ -134,7 +137,7 @@ def test_bad_invocation_against_an_existing_run(tmp_path, corpus, finished_run, 
             ckpt.unlink()
         torch.save({"weights": torch.zeros(2)}, out / "checkpoint.pt")
     script = "train_ddp.py" if case in ("corrupt-checkpoint", "different-batch") else "train_dp.py"
-    check_refused(script, ["--dataset", str(corpus), *FAST, *extra], out, message)
+    refused_in_process(script, ["--dataset", str(corpus), *FAST, *extra], out, message, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize("change, message", [

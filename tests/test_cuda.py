@@ -1,5 +1,6 @@
 """What only a GPU can show: NCCL, bf16 on tensor cores, torch.compile on CUDA, the SDPA
-kernels, DataParallel's replica threads. Skipped without a CUDA GPU; run them on one with
+kernels, DataParallel's replica threads, FSDP2 with NCCL. Skipped without a CUDA GPU; run
+them on one with
 
     python -m pytest tests/test_cuda.py -v
 
@@ -59,6 +60,14 @@ def test_train_dp_in_bf16_with_compile_trains_resumes_and_writes_plain_weights(r
 def test_train_ddp_under_torchrun_with_nccl_in_bf16_with_compile(runs, tmp_path):
     out = trains_resumes_and_loads(runs, tmp_path, "train_ddp.py", nproc=1)
     assert (out / "model.pt").exists()
+
+
+def test_train_fsdp_under_torchrun_with_nccl_in_bf16_with_compile(runs, tmp_path):
+    """FSDP2 on one GPU: NCCL, the bf16 MixedPrecisionPolicy, per-layer compile, sharded
+    checkpoints written from the background (async_save) and read back over NCCL on resume,
+    and model.pt gathered at the end into a plain state_dict."""
+    out = trains_resumes_and_loads(runs, tmp_path, "train_fsdp.py", nproc=1)
+    assert (out / "checkpoint-00000008" / ".metadata").is_file() and not list(out.glob("*.tmp"))
 
 
 def test_dataparallel_replicas_compute_in_bf16(small_config):

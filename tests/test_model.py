@@ -202,3 +202,25 @@ def test_a_replica_on_a_fresh_thread_computes_in_the_models_dtype(outer_autocast
     model.compute_dtype = torch.float32  # fp32 stays fp32, whatever autocast the caller set
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert linear_output_dtypes(model, lambda: model(x, x)) == {torch.float32}
+
+
+def test_under_bf16_attention_gets_q_k_v_in_one_dtype_and_only_the_key_value_heads(llama, monkeypatch):
+    """RoPE's tables are fp32: multiplied into bf16 q and k they would make them fp32 while v
+    stays bf16, and on CUDA the fp32 branch would repeat every key/value head for its query
+    heads. What SDPA receives is checked here, on any device."""
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype, q.shape[1], k.shape[1], v.shape[1]))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(llama, "compute_dtype", torch.bfloat16)
+    x = torch.randint(0, V, (2, T))
+    loss_sum, _ = llama(x, x)
+    loss_sum.sum().backward()  # the rotation runs in fp32 and must keep its gradient flowing
+    assert all(p.grad is not None for p in llama.parameters())
+    llama.zero_grad(set_to_none=True)
+    H, K = llama.config.num_attention_heads, llama.config.num_key_value_heads
+    assert seen == [(torch.bfloat16,) * 3 + (H, K, K)] * llama.config.num_hidden_layers

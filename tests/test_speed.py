@@ -1,7 +1,10 @@
 """The fast paths train the same model: bf16 autocast and torch.compile. The throughput
 figures in metrics.jsonl are computed from a FLOP count that matches PyTorch's own."""
 
+import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +14,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import checkpointing
 import training
 from errors import UsageError
-from conftest import FAST, load_weights, max_weight_diff, metrics, run_script
+from conftest import (BF16, FAST, FP32_LIKE_BF16, REPO, assert_follows_in_bf16, assert_same_model, load_weights,
+                      metrics, run_script)
 from model import LlamaConfig, LlamaForPretraining
 
 
@@ -87,20 +91,18 @@ def test_mfu_divides_by_the_peak_of_every_gpu_at_work(monkeypatch):
     assert training.devices_in_use(dp) == 4
 
 
-def test_bf16_trains_like_fp32(runs):
-    fp32 = runs("dp", "train_dp.py")
-    bf16 = runs("dp_bf16", "train_dp.py", ["--dtype", "bf16"])
-    losses = [row["loss"] for row in metrics(bf16) if "loss" in row]
-    reference = [row["loss"] for row in metrics(fp32) if "loss" in row]
-    assert losses[-1] < losses[0] - 0.5  # it learns
-    assert losses == pytest.approx(reference, abs=0.05)  # and follows the fp32 run
+def test_bf16_trains_like_fp32(runs, bf16_floor):
+    bf16 = runs("dp_bf16", "train_dp.py", BF16)
+    assert_follows_in_bf16(bf16, runs("dp_short", "train_dp.py", FP32_LIKE_BF16), bf16_floor)  # it follows fp32
     assert all(w.dtype == torch.float32 for w in load_weights(bf16).values())  # fp32 master weights
 
 
-def test_compiled_run_trains_the_same_model_and_its_checkpoints_load_into_a_plain_one(runs, tmp_path):
+@pytest.mark.compile
+def test_compiled_run_trains_the_same_model_and_its_checkpoints_load_into_a_plain_one(runs, tmp_path, floor):
+    """Compiled kernels fuse and reorder the arithmetic: the same model to rounding."""
     eager = runs("dp", "train_dp.py")
     compiled = runs("dp_compiled", "train_dp.py", ["--compile"])
-    assert max_weight_diff(load_weights(eager), load_weights(compiled)) < 1e-5
+    assert_same_model(compiled, eager, floor)
     rows = [row for row in metrics(compiled) if "loss" in row]
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
     assert {"tokens_per_s", "tokens_per_s_nonpad", "flops_per_token", "tflops"} <= rows[-1].keys()
@@ -111,16 +113,12 @@ def test_compiled_run_trains_the_same_model_and_its_checkpoints_load_into_a_plai
     for later in ("checkpoint.pt", "checkpoint-00000008.pt", "model.pt"):
         (out / later).unlink()
     run_script("train_dp.py", ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), "--resume"])
-    assert max_weight_diff(load_weights(eager), load_weights(out)) < 1e-5
+    assert_same_model(out, eager, floor)
 
 
 def test_bench_runs_every_row_and_writes_its_table(tmp_path):
     """bench.py at toy size: one process, DDP and FSDP at world sizes 1 and 2 (gloo), the
     ablation, and the memory each rank holds: FSDP's ranks hold half of what DDP's do."""
-    import json
-    import subprocess
-    import sys
-    from conftest import REPO
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, str(REPO / "bench.py"), "--steps", "1", "--warmup", "1", "--seq-len", "32",
                            "--batch-size", "4", "--json", str(out)], cwd=tmp_path, capture_output=True, text=True,
@@ -137,7 +135,38 @@ def test_bench_runs_every_row_and_writes_its_table(tmp_path):
     assert [row[:3] for row in result["memory_per_rank"]][-1] == ["1b", 1_177_946_112, 8]
     assert list(result["ablation"])[0] == "tutorial: float mask, fp32, loss outside"
     assert all(row["steps_per_s"] > 0 for table in ("scaling", "ablation") for row in result[table].values())
-    assert "ddp_world_1_vs_one_process" in result["ratios"] and "Table 2" in proc.stdout
+    assert {"ddp_world_1_vs_one_process", "fsdp_vs_ddp_at_world_size_1", "fsdp_vs_ddp_at_world_size_2"} <= \
+        result["ratios"].keys() and "Table 2" in proc.stdout
+
+
+# torch 2.5 (which the README promises for DP and DDP) has no torch.distributed.fsdp.fully_shard
+HIDE_FSDP = ("import sys, torch.distributed.fsdp as fsdp; del fsdp.fully_shard, fsdp.MixedPrecisionPolicy; "
+             f"sys.path.insert(0, {str(REPO)!r}); ")
+
+
+def test_bench_on_one_gpu_and_without_fsdp_still_prints_every_table(tmp_path):
+    """--max-world-size 1, as on a machine with one GPU, on a torch without FSDP2: Table 1
+    holds the rows it could measure, the ratios only those, and Tables 2-3 and bench.json
+    still come out."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-c", HIDE_FSDP + "import bench; bench.main(sys.argv[1:])",
+                           "--steps", "1", "--warmup", "1", "--seq-len", "32", "--batch-size", "4",
+                           "--max-world-size", "1", "--json", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert list(result["scaling"]) == ["one process", "DDP, world size 1"]
+    assert "no FSDP rows: torch" in proc.stdout
+    assert [key for key in result["ratios"] if "vs tutorial" not in key] == ["ddp_world_1_vs_one_process"]
+    assert all(f"Table {n}" in proc.stdout for n in (1, 2, 3)) and result["memory_per_rank"]
+
+
+def test_bench_grouping_without_fsdp_is_one_line_and_exit_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", HIDE_FSDP + "import bench_grouping; bench_grouping.main()"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"error: bench_grouping.py measures FSDP2, which needs torch 2.6 or newer "
+                                        f"(this is {torch.__version__})"]
 
 
 def _ddp_options_worker(rank, port, results):

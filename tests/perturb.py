@@ -1,0 +1,65 @@
+"""Run a training script (argv[1:]) with one deliberate change, for the tolerance tests.
+
+PERTURB picks it:
+    reverse-batches   every micro-batch with its sequences in reverse order: the same tokens,
+                      the same weights, summed in another order. Its distance from the plain
+                      run is the rounding floor every approximate comparison is bounded by.
+The others are mutants: bugs that a bound taken from that floor must catch.
+    lr-off-by-one     the schedule one step ahead: step s trains with the LR of step s+1
+    drop-micro-batch  the second micro-batch of step 3 never trains (use with --grad-accum 2)
+    per-rank-mean     each rank divides by its own target count instead of the global one
+                      (the global count's all-reduce is skipped; use under torchrun)
+"""
+
+import os
+import runpy
+import sys
+
+import torch
+import torch.distributed as dist
+
+perturbation = os.environ["PERTURB"]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))
+import training  # noqa: E402  (the script's own module, found beside it)
+
+real_next_micro_batches, real_make_optimizer, real_all_reduce = (
+    training.next_micro_batches, training.make_optimizer, dist.all_reduce)
+calls = 0
+
+
+def reversed_micro_batches(*args, **kwargs):
+    return [(x.flip(0), y.flip(0)) for x, y in real_next_micro_batches(*args, **kwargs)]
+
+
+def one_dropped(*args, **kwargs):
+    global calls
+    calls += 1
+    micro_batches = real_next_micro_batches(*args, **kwargs)
+    return micro_batches[:1] if calls == 3 else micro_batches
+
+
+def schedule_one_ahead(*args, **kwargs):
+    optimizer, scheduler = real_make_optimizer(*args, **kwargs)
+    scheduler.step()
+    return optimizer, scheduler
+
+
+def local_count_only(tensor, *args, **kwargs):
+    if tensor.dtype == torch.int64 and tensor.dim() == 0:  # n_tokens: the step's target count
+        return None
+    return real_all_reduce(tensor, *args, **kwargs)
+
+
+if perturbation == "reverse-batches":
+    training.next_micro_batches = reversed_micro_batches
+elif perturbation == "drop-micro-batch":
+    training.next_micro_batches = one_dropped
+elif perturbation == "lr-off-by-one":
+    training.make_optimizer = schedule_one_ahead
+elif perturbation == "per-rank-mean":
+    dist.all_reduce = local_count_only
+else:
+    raise SystemExit(f"unknown PERTURB {perturbation!r}")
+
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
