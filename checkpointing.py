@@ -30,18 +30,21 @@ NUMBERED = re.compile(r"checkpoint-(\d{8,})\.pt")  # checkpoint-00000400.pt: the
 NUMBERED_DIR = re.compile(r"checkpoint-(\d{8,})")  # checkpoint-00000400/: a sharded one (train_fsdp.py)
 
 
+def _by_step(paths, name: re.Pattern) -> list[Path]:
+    """The paths whose whole name matches `name`, oldest step (its group 1) first."""
+    found = [(int(m.group(1)), p) for p in paths if (m := name.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
+
+
 def numbered_checkpoints(out: Path) -> list[Path]:
     """The checkpoint-<step>.pt files this trainer wrote, oldest first. Only these exact names
     are ever pruned or resumed from: a user's checkpoint-best.pt or copy is left alone."""
-    found = [(int(m.group(1)), p) for p in out.glob("checkpoint-*.pt") if (m := NUMBERED.fullmatch(p.name))]
-    return [p for _, p in sorted(found)]
+    return _by_step(out.glob("checkpoint-*.pt"), NUMBERED)
 
 
 def sharded_checkpoints(out: Path) -> list[Path]:
     """The checkpoint-<step>/ folders train_fsdp.py wrote (sharded_checkpointing.py), oldest first."""
-    found = [(int(m.group(1)), p) for p in out.glob("checkpoint-*")
-             if (m := NUMBERED_DIR.fullmatch(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
+    return _by_step((p for p in out.glob("checkpoint-*") if p.is_dir()), NUMBERED_DIR)
 
 
 _LOCKS = []  # open descriptors of the output folders this process holds, until it exits

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import (BF16, FAST, FP32_LIKE_BF16, LOSSES, load_weights, max_weight_diff, measure_floor,  # noqa: E402
-                      metrics, run_script, write_corpus)
+from conftest import (BF16, FAST, FP32_LIKE_BF16, load_weights, loss_distance, max_weight_diff,  # noqa: E402
+                      measure_floor, run_script, write_corpus)
 
 root = Path(sys.argv[1])
 root.mkdir(parents=True, exist_ok=True)
@@ -34,15 +34,9 @@ def run(name, script, extra=(), nproc=0, perturb=None):
     return out
 
 
-def loss_distance(a, b):
-    """conftest.max_loss_diff without its check that the other fields agree (a mutant's LR differs)."""
-    pairs = zip(*([row.get(k) for row in metrics(run) for k in LOSSES] for run in (a, b)))
-    return max(abs(x - y) / abs(y) for x, y in pairs if y is not None)
-
-
 def report(label, a, b, floor, weights=True):
     w = max_weight_diff(load_weights(a), load_weights(b))
-    loss = loss_distance(a, b)
+    loss = loss_distance(a, b)  # not max_loss_diff: a mutant's logged LR differs, and that is the point
     shown = f"weights {w:.2e} = {w / floor.weights:8.1f}x   " if weights else " " * 31
     print(f"  {label:<44}{shown}losses {loss:.2e} = {loss / floor.loss:8.1f}x", flush=True)
 

@@ -176,18 +176,24 @@ class Floor:
 LOSSES = ("loss", "val_loss")
 
 
-def _losses_and_rest(rows):
-    rest = [{k: v for k, v in row.items() if k not in LOSSES} for row in without_speed(rows)]
-    return [row.get(k) for row in rows for k in LOSSES], rest
+def logged_losses(run: Path) -> list:
+    """Every loss and val loss run logged, row by row (None where a row has none)."""
+    return [row.get(k) for row in metrics(run) for k in LOSSES]
+
+
+def loss_distance(a: Path, b: Path) -> float:
+    """The largest relative difference between the losses a and b logged."""
+    return max(abs(x - y) / abs(y) for x, y in zip(logged_losses(a), logged_losses(b)) if y is not None)
 
 
 def max_loss_diff(a: Path, b: Path) -> float:
-    """The largest relative difference between the losses a and b logged, after checking that
-    they logged the same rows (steps, epochs, learning rates) and the same kinds of loss."""
-    (losses_a, rest_a), (losses_b, rest_b) = _losses_and_rest(metrics(a)), _losses_and_rest(metrics(b))
-    assert rest_a == rest_b
-    assert [x is None for x in losses_a] == [y is None for y in losses_b]
-    return max(abs(x - y) / abs(y) for x, y in zip(losses_a, losses_b) if y is not None)
+    """loss_distance, after checking that a and b logged the same rows (steps, epochs,
+    learning rates) and the same kinds of loss."""
+    def rest(run):
+        return [{k: v for k, v in row.items() if k not in LOSSES} for row in without_speed(metrics(run))]
+    assert rest(a) == rest(b)
+    assert [x is None for x in logged_losses(a)] == [y is None for y in logged_losses(b)]
+    return loss_distance(a, b)
 
 
 def measure_floor(plain: Path, reordered: Path) -> Floor:
@@ -222,15 +228,20 @@ def bf16_floor(runs) -> Floor:
     return measure_floor(runs("dp_bf16", "train_dp.py", BF16), reversed_run)
 
 
+def assert_within(what: str, distance: float, floor: float, multiple: int):
+    """distance <= multiple x floor; the distance is printed as a multiple of the floor, for the record."""
+    print(f"{what} {distance:.2e} = {distance / floor:.1f}x the floor {floor:.2e}")
+    assert distance <= multiple * floor, f"{what} {distance:.3e}, floor {floor:.3e}"
+
+
 def assert_same_weights(a: Path, b: Path, floor: Floor | None = None):
     """Runs a and b ended with the same weights: bitwise with floor=None, else within
-    FLOOR_MULTIPLE times the floor (the distance is printed, for the record)."""
+    FLOOR_MULTIPLE times the floor."""
     distance = max_weight_diff(load_weights(a), load_weights(b))
     if floor is None:
         assert distance == 0.0
         return
-    print(f"weights {distance:.2e} = {distance / floor.weights:.1f}x the floor {floor.weights:.2e}")
-    assert distance <= FLOOR_MULTIPLE * floor.weights, f"weights {distance:.3e}, floor {floor.weights:.3e}"
+    assert_within("weights", distance, floor.weights, FLOOR_MULTIPLE)
 
 
 def assert_same_metrics(a: Path, b: Path, floor: Floor | None = None):
@@ -239,9 +250,7 @@ def assert_same_metrics(a: Path, b: Path, floor: Floor | None = None):
     if floor is None:
         assert without_speed(metrics(a)) == without_speed(metrics(b))
         return
-    distance = max_loss_diff(a, b)
-    print(f"losses {distance:.2e} = {distance / floor.loss:.1f}x the floor {floor.loss:.2e}")
-    assert distance <= FLOOR_MULTIPLE * floor.loss, f"losses {distance:.3e}, floor {floor.loss:.3e}"
+    assert_within("losses", max_loss_diff(a, b), floor.loss, FLOOR_MULTIPLE)
 
 
 def assert_same_model(a: Path, b: Path, floor: Floor | None = None):
@@ -256,6 +265,4 @@ def assert_follows_in_bf16(run: Path, reference: Path, bf16_floor: Floor):
     the bf16 floor of the reference's."""
     losses = [row["loss"] for row in metrics(run) if "loss" in row]
     assert losses[-1] < losses[0] - 0.5  # it learns
-    distance = max_loss_diff(run, reference)
-    print(f"losses {distance:.2e} = {distance / bf16_floor.loss:.1f}x the bf16 floor {bf16_floor.loss:.2e}")
-    assert distance <= BF16_MULTIPLE * bf16_floor.loss, f"losses {distance:.3e}, bf16 floor {bf16_floor.loss:.3e}"
+    assert_within("losses (bf16)", max_loss_diff(run, reference), bf16_floor.loss, BF16_MULTIPLE)
