@@ -169,6 +169,8 @@ def load_corpus(dataset: str, dataset_config: str | None = None, split: str | No
             except Exception as e:  # datasets raises many types for unreadable files
                 raise UsageError(f"cannot read {dataset}: {first_line(e)}") from None
             parts.append(_text_column(part, text_column, dataset))
+        if len({part.features["text"].dtype for part in parts}) > 1:  # .csv reads large_string, .txt string
+            parts = [part.cast_column("text", datasets.Value("large_string")) for part in parts]
         ds = datasets.concatenate_datasets(parts)
     else:
         try:

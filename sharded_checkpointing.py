@@ -69,6 +69,7 @@ class ShardedCheckpointWriter(CheckpointWriter):
         self.wait()
         final = self.out / f"checkpoint-{train_state['step']:08d}"
         tmp = final.with_name(final.name + ".tmp")
+        self.latest = final
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crash
         dist.barrier(group=self.group)

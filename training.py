@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 import checkpointing
 import data
-from checkpointing import CHECKPOINT, CONFIG, METRICS, MODEL, TOKENIZER, atomic_save
+from checkpointing import CONFIG, METRICS, MODEL, TOKENIZER, atomic_save
 # the flags live in config.py; the scripts (and the tools) reach them through this module
 from config import TRAINING_PRESETS, ArgumentParser, TrainConfig, micro_batch_size, parse_args  # noqa: F401
 from errors import UsageError, first_line
@@ -439,8 +439,9 @@ class MetricsLog:
 
 
 def summary(cfg: TrainConfig, step: int, total_steps: int, first_step: int, seconds: float,
-            loss: float | None, val_loss: float | None, preempted: bool) -> str:
-    """The end-of-run report: how far, how fast, how well, and what to do next."""
+            loss: float | None, val_loss: float | None, preempted: bool, checkpoint: Path) -> str:
+    """The end-of-run report: how far, how fast, how well, and what to do next (checkpoint:
+    the newest checkpoint, which --resume continues from)."""
     out = Path(cfg.out_dir)
     tokens = (step - first_step) * cfg.batch_size * cfg.seq_len
     how = "done" if step == total_steps else "stopped by a signal" if preempted else "stopped"
@@ -449,7 +450,7 @@ def summary(cfg: TrainConfig, step: int, total_steps: int, first_step: int, seco
               + (f" | train loss {loss:.4f}" if loss is not None else "")
               + (f" | val loss {val_loss:.4f}" if val_loss is not None else "")]
     if step < total_steps:
-        return "\n".join(report + [f"checkpoint saved in {out / CHECKPOINT}; continue with --resume"])
+        return "\n".join(report + [f"checkpoint saved in {checkpoint}; continue with --resume"])
     prompt = "def " if cfg.dataset == data.EMBEDDED_CORPUS else "The "  # the demo corpus is Python code
     q = shlex.quote  # commands that paste into a shell whatever the folder's name
     return "\n".join(report + [

@@ -2,10 +2,13 @@
 for the two training scripts (in a subprocess, as a user would run them)."""
 
 import atexit
+import contextlib
+import io
 import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,7 +25,9 @@ sys.path.insert(0, str(REPO))
 # fp32 whatever the CPU: the exactness guarantees are fp32 guarantees (bf16 has its own tests).
 FAST = ["--vocab-size", "300", "--seq-len", "32", "--batch-size", "8", "--max-steps", "8",
         "--warmup-steps", "2", "--log-every", "2", "--eval-every", "4", "--save-every", "4",
-        "--val-docs", "8", "--dtype", "fp32"]
+        "--val-docs", "9", "--dtype", "fp32"]
+# 9 held-out documents: ranks of a world of 2 (or 4) evaluate different numbers of them, so
+# DDP's unpadded sharding and FSDP's padding sequence run wherever a val loss is compared.
 # The same, for runs given --tokenizer: the tokenizer brings its vocabulary, and --vocab-size
 # next to --tokenizer is an error.
 _VOCAB = FAST.index("--vocab-size")
@@ -91,23 +96,139 @@ def max_weight_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+# What a training run may change in the process that runs it: StopSignal's handlers, the lock
+# on --out-dir (held until the process exits), the thread count and the RNG.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def isolated(argv: list[str]):
+    """Run a script's code in this process with sys.argv = argv and one thread, as run_script's
+    processes have, and leave nothing behind: the signal handlers, the --out-dir lock, the
+    thread count, the RNG state and sys.argv are restored afterwards."""
+    import checkpointing
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    threads, rng, locks, saved_argv = torch.get_num_threads(), torch.get_rng_state(), len(checkpointing._LOCKS), sys.argv
+    sys.argv = argv
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        sys.argv = saved_argv
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        for fd in checkpointing._LOCKS[locks:]:
+            os.close(fd)  # releases the flock, as the end of a process would
+        del checkpointing._LOCKS[locks:]
+
+
+def main_in_process(script: str, args: list[str]) -> int:
+    """`python SCRIPT ARGS` (a world of one for the torchrun scripts) in this process, isolated:
+    seconds faster than a new process, which imports torch and datasets first. Returns its
+    exit status."""
+    import importlib
+
+    import launcher
+    main = importlib.import_module(script.removesuffix(".py")).main
+    with isolated([script, *args]):
+        try:
+            launcher.exit_on_usage_error(main)
+        except SystemExit as e:
+            return e.code
+    return 0
+
+
+def run_in_process(script: str, args: list[str]) -> str:
+    """main_in_process for a run that must succeed; returns what it printed."""
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        status = main_in_process(script, args)
+    assert status == 0, f"{script} {' '.join(args)} exited with {status}:\n{stdout.getvalue()}"
+    return stdout.getvalue()
+
+
+def train(script: str, args: list[str], nproc: int = 0, perturb: str | None = None, spy_dir: Path | None = None,
+          **kwargs) -> str:
+    """A run that must succeed; returns what it printed. perturb: a change of tests/perturb.py;
+    spy_dir: record its arithmetic there (tests/spy.py). One process without --compile (whose
+    generated code would stay behind) and without a wrapper runs in this process; any other
+    run in its own, with perturb.py or spy.py as its wrapper."""
+    from perturb import perturbed
+    from spy import recording
+    if nproc == 0 and not kwargs and "--compile" not in args:
+        with contextlib.ExitStack() as changes:
+            if perturb:
+                changes.enter_context(perturbed(perturb))
+            if spy_dir:
+                changes.enter_context(recording(spy_dir))
+            return run_in_process(script, args)
+    assert not (perturb and spy_dir), "one wrapper at a time"
+    if perturb:
+        kwargs.update(wrapper="tests/perturb.py", env={"PERTURB": perturb})
+    if spy_dir:
+        kwargs.update(wrapper="tests/spy.py", env={"SPY_DIR": str(spy_dir)})
+    return run_script(script, args, nproc=nproc, **kwargs).stdout
+
+
+@pytest.fixture(autouse=True)
+def leaves_the_test_process_as_it_found_it():
+    """Every test starts from the same RNG state, so unseeded inputs do not depend on which
+    tests ran before; and no test may leave a signal handler or an --out-dir lock behind (a
+    leftover SIGTERM handler would make pytest ignore CI's SIGTERM)."""
+    import checkpointing
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    locks = list(checkpointing._LOCKS)
+    rng, py_rng = torch.get_rng_state(), random.getstate()
+    torch.manual_seed(0)
+    random.seed(0)
+    yield
+    torch.set_rng_state(rng)
+    random.setstate(py_rng)
+    assert {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} == handlers, "the test left signal handlers behind"
+    assert checkpointing._LOCKS == locks, "the test left an --out-dir locked"
+
+
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, corpus):
     """Memoized training runs: runs(name, script, extra_args, nproc) -> out_dir.
-    Several tests compare the same runs, so each is trained once per session."""
-    done = {}
+    Several tests compare the same runs, so each is trained once per session. A cached run
+    is never changed: a test that resumes one resumes its own copy (runs.copy). A plain
+    one-process run (no wrapper) runs in this process; runs.output[name] is what it printed."""
+    done, output = {}, {}
     root = tmp_path_factory.mktemp("runs")
 
     def get(name, script, extra=(), nproc=0, **kwargs):
+        how = (script, list(extra), nproc, kwargs)
         if name not in done:
             out = root / name
-            run_script(script, ["--dataset", str(corpus), *FAST, "--out-dir", str(out), *extra],
-                       nproc=nproc, **kwargs)
-            done[name] = out
-        return done[name]
+            args = ["--dataset", str(corpus), *FAST, "--out-dir", str(out), *extra]
+            output[name] = train(script, args, nproc, **kwargs)
+            done[name] = (out, how)
+        assert done[name][1] == how, f"run {name!r} was cached with other arguments: {done[name][1]}"
+        return done[name][0]
 
-    get.root, get.corpus = root, corpus
+    def copy(run: Path, to: Path) -> Path:
+        shutil.copytree(run, to)
+        return to
+
+    get.root, get.corpus, get.output, get.copy = root, corpus, output, copy
     return get
+
+
+def stopped_at_step_4(runs, tmp_path: Path, script: str = "train_dp.py") -> Path:
+    """A copy of a run stopped at step 4 (--stop-at-step), to resume: the cached run stays as it was."""
+    half = runs(f"{script.removesuffix('.py')}_stop4", script, ["--stop-at-step", "4"])
+    return runs.copy(half, tmp_path / "half")
+
+
+def spied(runs, name: str, script: str, extra=(), nproc: int = 0) -> tuple[Path, list[dict]]:
+    """runs(...) under tests/spy.py: the run, and what each rank's arithmetic really was."""
+    spy_dir = runs.root / f"{name}-spy"
+    spy_dir.mkdir(exist_ok=True)
+    out = runs(name, script, extra, nproc, spy_dir=spy_dir)
+    return out, [json.loads(p.read_text()) for p in sorted(spy_dir.glob("rank*.json"))]
 
 
 def ddp_two_ranks(runs):
@@ -206,7 +327,7 @@ def measure_floor(plain: Path, reordered: Path) -> Floor:
                  loss=max(max_loss_diff(reordered, plain), ulp))
 
 
-REVERSED = {"wrapper": "tests/perturb.py", "env": {"PERTURB": "reverse-batches"}}
+REVERSED = {"perturb": "reverse-batches"}
 
 
 @pytest.fixture(scope="session")
@@ -225,7 +346,7 @@ FP32_LIKE_BF16 = ["--dtype", "fp32", *BF16[2:]]
 def bf16_floor(runs) -> Floor:
     """The same for the bf16 runs (see BF16_MULTIPLE)."""
     reversed_run = runs("dp_bf16_reversed", "train_dp.py", BF16, **REVERSED)
-    return measure_floor(runs("dp_bf16", "train_dp.py", BF16), reversed_run)
+    return measure_floor(spied(runs, "dp_bf16", "train_dp.py", BF16)[0], reversed_run)
 
 
 def assert_within(what: str, distance: float, floor: float, multiple: int):

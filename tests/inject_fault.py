@@ -1,7 +1,8 @@
 """Run a training script (argv[1:]) with one fault injected, for the failure tests.
 
-FAULT picks the fault, FAULT_STEP the optimizer step at which it strikes (counted by calls
-to clip_grad_norm_, once per step), FAULT_RANK the rank (default 0). It strikes in the
+FAULT picks the fault (or several, comma-separated), FAULT_STEP the optimizer step at which
+it strikes (counted by calls to clip_grad_norm_, once per step), FAULT_RANK the rank (default
+0). It strikes in the
 first attempt only: after torchrun restarts the workers, the run goes on unharmed.
     kill              SIGKILL this process (a dead GPU, the OOM killer)
     sigterm-launcher  what `scancel` or a preempting scheduler does: SIGTERM to torchrun,
@@ -12,11 +13,13 @@ first attempt only: after torchrun restarts the workers, the run goes on unharme
                       ENOSPC, as on a full disk, and shutil.disk_usage says what is left
     slow-disk         the first checkpoint write hangs until training reaches FAULT_STEP;
                       a trainer that saved in its training loop would never get there
+                      (train_fsdp.py: this rank's first write of its shards)
     slow-prepare      loading the corpus takes FAULT_SECONDS longer than it does (a cold cache:
                       a download, a tokenizer to train); FAULT_STEP is unused
     diverge-mid-save  (train_fsdp.py, every rank) the loss logged at FAULT_STEP is NaN, while the
                       sharded checkpoint saved before it is still being written: its write
                       waits until the divergence has been raised
+    none              no fault: the run as it is, only recorded
 Each process records how it ended in $FAULT_LOG_DIR/exit-rank<RANK>.txt.
 """
 
@@ -29,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-fault, at_step = os.environ["FAULT"], int(os.environ["FAULT_STEP"])
+faults, at_step = os.environ["FAULT"].split(","), int(os.environ["FAULT_STEP"])
 rank = os.environ.get("RANK", "0")
-armed = ((rank == os.environ.get("FAULT_RANK", "0") or fault == "diverge-mid-save")
+armed = ((rank == os.environ.get("FAULT_RANK", "0") or "diverge-mid-save" in faults)
          and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
 reached = threading.Event()
 steps = 0
@@ -39,16 +42,16 @@ real_clip = torch.nn.utils.clip_grad_norm_
 
 
 def strike():
-    if fault == "kill":
+    if "kill" in faults:
         os.kill(os.getpid(), signal.SIGKILL)
-    elif fault == "sigterm-launcher":
+    if "sigterm-launcher" in faults:
         signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # this rank's copy arrives now
         os.kill(os.getppid(), signal.SIGTERM)  # torchrun forwards it to the others, later
-    elif fault == "sigusr1":
+    if "sigusr1" in faults:
         os.kill(os.getpid(), signal.SIGUSR1)
-    elif fault in ("sigint", "sigint-twice"):
+    if "sigint" in faults or "sigint-twice" in faults:
         os.kill(os.getpid(), signal.SIGINT)
-        if fault == "sigint-twice":
+        if "sigint-twice" in faults:
             os.kill(os.getpid(), signal.SIGINT)
 
 
@@ -64,18 +67,20 @@ def clip_and_count(*args, **kwargs):
 
 torch.nn.utils.clip_grad_norm_ = clip_and_count
 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))
-if fault == "slow-disk" and armed:
+if "slow-disk" in faults and armed:
     import checkpointing
+    from torch.distributed.checkpoint import FileSystemWriter
 
-    real_save = checkpointing.save_checkpoint
+    def slow(write):
+        def slow_write(*args, **kwargs):
+            reached.wait()  # the disk answers only once training has moved on to FAULT_STEP
+            return write(*args, **kwargs)
+        return slow_write
 
-    def slow_save(*args, **kwargs):
-        reached.wait()  # the disk answers only once training has moved on to FAULT_STEP
-        return real_save(*args, **kwargs)
+    checkpointing.save_checkpoint = slow(checkpointing.save_checkpoint)
+    FileSystemWriter.write_data = slow(FileSystemWriter.write_data)  # train_fsdp.py's shards
 
-    checkpointing.save_checkpoint = slow_save
-
-if fault == "slow-prepare" and armed:
+if "slow-prepare" in faults and armed:
     import time
 
     import training
@@ -88,7 +93,7 @@ if fault == "slow-prepare" and armed:
 
     training.load_text = slow_load_text
 
-if fault == "diverge-mid-save" and armed:
+if "diverge-mid-save" in faults and armed:
     from torch.distributed.checkpoint import FileSystemWriter
 
     import training
@@ -109,7 +114,7 @@ if fault == "diverge-mid-save" and armed:
     training.stop_if_diverged = nan_at_step
     FileSystemWriter.write_data = write_after_divergence
 
-if fault == "small-disk" and armed:
+if "small-disk" in faults and armed:
     import errno
     import io
     import shutil

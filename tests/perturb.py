@@ -1,6 +1,7 @@
-"""Run a training script (argv[1:]) with one deliberate change, for the tolerance tests.
+"""One deliberate change to a training run, for the tolerance tests: `perturbed(name)` applies
+it in this process (the tests' in-process runs); as a script, it runs a training script
+(argv[1:]) with the change PERTURB names (runs under torchrun, tests/calibrate_tolerances.py).
 
-PERTURB picks it:
     reverse-batches   every micro-batch with its sequences in reverse order: the same tokens,
                       the same weights, summed in another order. Its distance from the plain
                       run is the rounding floor every approximate comparison is bounded by.
@@ -11,6 +12,7 @@ The others are mutants: bugs that a bound taken from that floor must catch.
                       (the global count's all-reduce is skipped; use under torchrun)
 """
 
+import contextlib
 import os
 import runpy
 import sys
@@ -18,48 +20,52 @@ import sys
 import torch
 import torch.distributed as dist
 
-perturbation = os.environ["PERTURB"]
-sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))
-import training  # noqa: E402  (the script's own module, found beside it)
-
-real_next_micro_batches, real_make_optimizer, real_all_reduce = (
-    training.next_micro_batches, training.make_optimizer, dist.all_reduce)
-calls = 0
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the trainer's modules
+import training  # noqa: E402
 
 
-def reversed_micro_batches(*args, **kwargs):
-    return [(x.flip(0), y.flip(0)) for x, y in real_next_micro_batches(*args, **kwargs)]
+@contextlib.contextmanager
+def perturbed(perturbation: str):
+    real_next_micro_batches, real_make_optimizer, real_all_reduce = (
+        training.next_micro_batches, training.make_optimizer, dist.all_reduce)
+    calls = []
+
+    def reversed_micro_batches(*args, **kwargs):
+        return [(x.flip(0), y.flip(0)) for x, y in real_next_micro_batches(*args, **kwargs)]
+
+    def one_dropped(*args, **kwargs):
+        calls.append(1)
+        micro_batches = real_next_micro_batches(*args, **kwargs)
+        return micro_batches[:1] if len(calls) == 3 else micro_batches
+
+    def schedule_one_ahead(*args, **kwargs):
+        optimizer, scheduler = real_make_optimizer(*args, **kwargs)
+        scheduler.step()
+        return optimizer, scheduler
+
+    def local_count_only(tensor, *args, **kwargs):
+        if tensor.dtype == torch.int64 and tensor.dim() == 0:  # n_tokens: the step's target count
+            return None
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    if perturbation == "reverse-batches":
+        training.next_micro_batches = reversed_micro_batches
+    elif perturbation == "drop-micro-batch":
+        training.next_micro_batches = one_dropped
+    elif perturbation == "lr-off-by-one":
+        training.make_optimizer = schedule_one_ahead
+    elif perturbation == "per-rank-mean":
+        dist.all_reduce = local_count_only
+    else:
+        raise ValueError(f"unknown perturbation {perturbation!r}")
+    try:
+        yield
+    finally:
+        training.next_micro_batches, training.make_optimizer, dist.all_reduce = (
+            real_next_micro_batches, real_make_optimizer, real_all_reduce)
 
 
-def one_dropped(*args, **kwargs):
-    global calls
-    calls += 1
-    micro_batches = real_next_micro_batches(*args, **kwargs)
-    return micro_batches[:1] if calls == 3 else micro_batches
-
-
-def schedule_one_ahead(*args, **kwargs):
-    optimizer, scheduler = real_make_optimizer(*args, **kwargs)
-    scheduler.step()
-    return optimizer, scheduler
-
-
-def local_count_only(tensor, *args, **kwargs):
-    if tensor.dtype == torch.int64 and tensor.dim() == 0:  # n_tokens: the step's target count
-        return None
-    return real_all_reduce(tensor, *args, **kwargs)
-
-
-if perturbation == "reverse-batches":
-    training.next_micro_batches = reversed_micro_batches
-elif perturbation == "drop-micro-batch":
-    training.next_micro_batches = one_dropped
-elif perturbation == "lr-off-by-one":
-    training.make_optimizer = schedule_one_ahead
-elif perturbation == "per-rank-mean":
-    dist.all_reduce = local_count_only
-else:
-    raise SystemExit(f"unknown PERTURB {perturbation!r}")
-
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+if __name__ == "__main__":
+    with perturbed(os.environ["PERTURB"]):
+        sys.argv = sys.argv[1:]
+        runpy.run_path(sys.argv[0], run_name="__main__")

@@ -1,6 +1,10 @@
 """Run a script (argv[1:]) and record every file this process creates, opens for writing,
-renames or deletes under $WATCH_DIR, via Python's audit hooks. The list goes to
-$WRITE_LOG_DIR/rank<RANK>.txt. Used to prove that only rank 0 writes to --out-dir."""
+renames, links or deletes under $WATCH_DIR, and every folder it makes or removes: Python's
+audit hooks see open, os.rename/os.replace, os.link, os.remove, os.mkdir, os.rmdir and
+shutil.rmtree; torch.save and Tokenizer.save, which write from C++ and Rust without an
+audit event, are wrapped. The list goes to $WRITE_LOG_DIR/rank<RANK>.txt. Used to prove
+which rank writes what (test_only_rank_0_writes_files; the two-node test proves it at the
+OS level for DDP, from an output folder of each node's own)."""
 
 import atexit
 import os
@@ -27,8 +31,26 @@ def hook(event, args):
             writes.append(f"open {args[0]}")
     elif event in ("os.rename", "os.link") and (inside(args[0]) or inside(args[1])):
         writes.append(f"{event} {args[0]} -> {args[1]}")
-    elif event in ("os.remove", "os.mkdir", "os.truncate") and inside(args[0]):
+    elif event in ("os.remove", "os.mkdir", "os.rmdir", "os.truncate", "shutil.rmtree", "os.symlink",
+                   "os.chmod", "os.utime") and inside(args[0]):
         writes.append(f"{event} {args[0]}")
+
+
+def recording(save, path_arg):
+    """save(...) that first records the path it writes to (argument number path_arg), if any."""
+    def wrapped(*args, **kwargs):
+        target = args[path_arg] if len(args) > path_arg else None
+        if inside(target):
+            writes.append(f"{save.__qualname__} {target}")
+        return save(*args, **kwargs)
+    return wrapped
+
+
+import torch  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+
+torch.save = recording(torch.save, 1)  # torch.save(obj, path): a path is written from C++
+Tokenizer.save = recording(Tokenizer.save, 1)  # Tokenizer.save(self, path), from Rust
 
 
 @atexit.register

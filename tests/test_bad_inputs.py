@@ -4,19 +4,21 @@ output folder is created or overwritten. Most cases run a script's main() in thi
 
 import hashlib
 import json
+import os
 import shutil
 
 import pytest
 import torch
 
-from conftest import FAST, FAST_WITH_TOKENIZER, REPO, run_script
+from conftest import FAST, FAST_WITH_TOKENIZER, REPO, main_in_process, run_script
 
 
 def snapshot(folder):
-    """Every file under folder with its modification time and a hash of its bytes:
-    equal snapshots mean nothing was created, rewritten or changed."""
+    """Every file under folder with its modification time and a hash of its bytes, and every
+    folder: equal snapshots mean nothing was created (not even an empty folder), rewritten
+    or changed."""
     return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+            if p.is_file() else "folder" for p in sorted(folder.rglob("*"))}
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +37,13 @@ def plain_tokenizer(tmp_path):
     return tmp_path / "plain.json"
 
 
-def refused_in_process(script, args, out_dir, message, monkeypatch, capsys):
-    """check_refused, faster: the script's main() in this process, as `python SCRIPT` runs
-    it (a world of one for the torchrun scripts)."""
-    import importlib
-    import launcher
-    main = importlib.import_module(script.removesuffix(".py")).main
+def refused_in_process(script, args, out_dir, message, capsys):
+    """check_refused, faster: `python SCRIPT` in this process (a world of one for the torchrun
+    scripts), through the same entry point."""
     before = snapshot(out_dir)
-    monkeypatch.setattr("sys.argv", [script, *args, "--out-dir", str(out_dir)])
-    with pytest.raises(SystemExit) as exit_info:
-        launcher.exit_on_usage_error(main)
+    status = main_in_process(script, [*args, "--out-dir", str(out_dir)])
     err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2
+    assert status == 2
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert snapshot(out_dir) == before  # nothing created, nothing overwritten
 
@@ -55,7 +52,7 @@ def check_refused(script, args, out_dir, message, nproc=0):
     before = snapshot(out_dir) if out_dir.exists() else None
     proc = run_script(script, [*args, "--out-dir", str(out_dir)], nproc=nproc, check=False)
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
     after = snapshot(out_dir) if out_dir.exists() else None
@@ -110,7 +107,7 @@ def test_bad_invocation_of_a_new_run(tmp_path, corpus, plain_tokenizer, case, sc
     (out / "notes.txt").write_text("the user's own file")  # must survive untouched
     fast = FAST_WITH_TOKENIZER if "--tokenizer" in extra else FAST
     args = ["--dataset", str(corpus), *fast, *[fill.get(a, a) for a in extra]]
-    refused_in_process(script, args, out, message, monkeypatch, capsys)  # the subprocess smoke tests are below
+    refused_in_process(script, args, out, message, capsys)  # the subprocess smoke tests are below
 
 
 RESUME_CASES = [
@@ -137,14 +134,14 @@ def test_bad_invocation_against_an_existing_run(tmp_path, corpus, finished_run, 
             ckpt.unlink()
         torch.save({"weights": torch.zeros(2)}, out / "checkpoint.pt")
     script = "train_ddp.py" if case in ("corrupt-checkpoint", "different-batch") else "train_dp.py"
-    refused_in_process(script, ["--dataset", str(corpus), *FAST, *extra], out, message, monkeypatch, capsys)
+    refused_in_process(script, ["--dataset", str(corpus), *FAST, *extra], out, message, capsys)
 
 
 @pytest.mark.parametrize("change, message", [
     ("append a line", "(241 documents, was 240)"),
     ("swap two lines", "(the same number of documents (240), but their text or order differs)"),
 ])
-def test_a_resume_refuses_data_that_changed(tmp_path, corpus, finished_run, change, message, monkeypatch, capsys):
+def test_a_resume_refuses_data_that_changed(tmp_path, corpus, finished_run, change, message, capsys):
     """A changed corpus redraws the held-out split: former validation documents would be
     trained on. The fingerprint of what was read, not the path, decides."""
     out = tmp_path / "run"
@@ -155,42 +152,43 @@ def test_a_resume_refuses_data_that_changed(tmp_path, corpus, finished_run, chan
     changed.write_text("\n".join(lines) + "\n")
     refused_in_process("train_dp.py", ["--dataset", str(changed), *FAST, "--resume"], out,
                        f"--dataset {changed} is not the data this run trained on {message}: resume with that data",
-                       monkeypatch, capsys)
+                       capsys)
 
 
-def test_leftovers_of_a_run_that_never_saved_a_checkpoint_are_not_overwritten(tmp_path, corpus):
+def test_leftovers_of_a_run_that_never_saved_a_checkpoint_are_not_overwritten(tmp_path, corpus, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "tokenizer.json").write_text("{}")
     (out / "metrics.jsonl").write_text('{"step": 10}\n')
-    check_refused("train_dp.py", ["--dataset", str(corpus), *FAST], out,
-                  "holds files of a run that never saved a checkpoint (tokenizer.json, metrics.jsonl)")
+    refused_in_process("train_dp.py", ["--dataset", str(corpus), *FAST], out,
+                       "holds files of a run that never saved a checkpoint (tokenizer.json, metrics.jsonl)", capsys)
 
 
-def test_an_impossible_out_dir_is_refused_before_any_data_is_loaded(tmp_path):
+def test_an_impossible_out_dir_is_refused_before_any_data_is_loaded(tmp_path, capsys):
     """--out-dir under a regular file: refused first, before the (empty, so failing) dataset is read."""
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "README.md").write_text("a file")
     out = tmp_path / "README.md" / "sub"
-    proc = run_script("train_dp.py", ["--dataset", str(tmp_path / "empty.txt"), *FAST, "--out-dir", str(out)],
-                      check=False)
-    assert proc.returncode == 2 and proc.stderr == f"error: --out-dir {out}: {tmp_path / 'README.md'} is a file, not a folder\n"
+    assert main_in_process("train_dp.py", ["--dataset", str(tmp_path / "empty.txt"), *FAST, "--out-dir", str(out)]) == 2
+    assert capsys.readouterr().err == f"error: --out-dir {out}: {tmp_path / 'README.md'} is a file, not a folder\n"
 
 
 def test_an_out_dir_inside_the_dataset_folder_is_refused(tmp_path, corpus):
-    """The run's own .json/.jsonl files would be read back as data, and no resume could work."""
+    """The run's own .json/.jsonl files would be read back as data, and no resume could work.
+    (A subprocess, as a user runs it: one of the smoke tests of the whole path.)"""
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     (data_dir / "corpus.txt").write_text(corpus.read_text())
     check_refused("train_dp.py", ["--dataset", str(data_dir), *FAST], data_dir / "run1",
                   "is inside the --dataset folder")
+    assert sorted(p.name for p in data_dir.iterdir()) == ["corpus.txt"]  # no run1/ either
 
 
-def test_out_dir_that_is_a_file_is_refused(tmp_path, corpus):
+def test_out_dir_that_is_a_file_is_refused(tmp_path, corpus, capsys):
     out = tmp_path / "out"
     out.write_text("I am a file")
-    proc = run_script("train_dp.py", ["--dataset", str(corpus), *FAST, "--out-dir", str(out)], check=False)
-    assert proc.returncode != 0 and proc.stderr.strip() == f"error: --out-dir {out} exists and is not a folder"
+    assert main_in_process("train_dp.py", ["--dataset", str(corpus), *FAST, "--out-dir", str(out)]) == 2
+    assert capsys.readouterr().err == f"error: --out-dir {out} exists and is not a folder\n"
     assert out.read_text() == "I am a file"
 
 
@@ -198,12 +196,16 @@ def test_an_error_under_torchrun_is_printed_once_and_ends_every_rank(tmp_path, c
     """Local rank 0 meets the error while loading; rank 1 is waiting for it. Both must exit
     with the message (rank 0 prints it) instead of rank 1 waiting forever."""
     (tmp_path / "c.jsonl").write_text(json.dumps({"text": "a document"}) + "\n")
+    from test_failures import exit_codes, fault_env
     out = tmp_path / "out"
     proc = run_script("train_ddp.py", ["--dataset", str(tmp_path / "c.jsonl"), *FAST, "--text-column", "body",
-                                       "--out-dir", str(out)], nproc=2, check=False, timeout=120)
-    assert proc.returncode != 0
-    ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert ours == [f"error: dataset {tmp_path / 'c.jsonl'} has no column 'body' (columns: text)"]
+                                       "--out-dir", str(out)], nproc=2, check=False, timeout=120,
+                      wrapper="tests/inject_fault.py", env=fault_env(tmp_path, "none", step=0))
+    assert exit_codes(tmp_path) == {"exit-rank0": "2", "exit-rank1": "2"}  # every worker: exit 2
+    assert proc.returncode == 1  # torchrun's own status when its workers failed
+    # our line comes first, before torchrun's report; and only once
+    assert proc.stderr.splitlines()[0] == f"error: dataset {tmp_path / 'c.jsonl'} has no column 'body' (columns: text)"
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == proc.stderr.splitlines()[:1]
     # torchrun then reports the failed workers with a traceback of its own launcher, but no
     # worker raised: no frame of our code appears, and its report gives our line as the cause
     # (from the error file each worker leaves), not a link to its docs
@@ -267,9 +269,7 @@ BAD_FLAGS = [
 
 @pytest.mark.parametrize("flag, value, message", BAD_FLAGS,
                          ids=[f"{f}={v}" for f, v, _ in (getattr(c, "values", c) for c in BAD_FLAGS)])
-def test_every_flag_rejects_a_bad_value(tmp_path, corpus, monkeypatch, capsys, flag, value, message):
-    import launcher
-    import train_ddp
+def test_every_flag_rejects_a_bad_value(tmp_path, corpus, capsys, flag, value, message):
     (tmp_path / "garbage.parquet").write_bytes(b"this is not parquet")
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{not json\n')
     (tmp_path / "a_file").write_text("precious")
@@ -280,11 +280,10 @@ def test_every_flag_rejects_a_bad_value(tmp_path, corpus, monkeypatch, capsys, f
     (out / "notes.txt").write_text("the user's own file")
     before = snapshot(tmp_path)
     fast = FAST_WITH_TOKENIZER if flag == "--tokenizer" else FAST
-    argv = ["train_ddp.py", "--dataset", str(corpus), *fast, "--out-dir", str(out), flag, fill.get(value, value)]
-    monkeypatch.setattr("sys.argv", argv)
-    with pytest.raises(SystemExit) as exit_info:
-        launcher.exit_on_usage_error(train_ddp.main)  # a world of one; every flag of train_dp.py is here too
-    assert exit_info.value.code == 2
+    # a world of one; every flag of train_dp.py is here too
+    status = main_in_process("train_ddp.py", ["--dataset", str(corpus), *fast, "--out-dir", str(out), flag,
+                                              fill.get(value, value)])
+    assert status == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert snapshot(tmp_path) == before
@@ -298,3 +297,44 @@ def test_a_stray_rank_variable_outside_torchrun_hides_no_error(tmp_path, script,
     """RANK=1 left in a shell (or set by another tool) is not a job: the error still shows."""
     proc = run_script(script, [*args], env={"RANK": "1"}, check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_run_that_saved_into_the_folder_while_this_one_prepared_its_data_stops_it(runs, tmp_path, monkeypatch,
+                                                                                 capsys, resume):
+    """Two runs started into one folder at once both find it free (or holding the same
+    checkpoint) and prepare their data before either takes the lock. The one that comes second
+    looks again once it holds the lock, sees what the other saved meanwhile, and stops without
+    writing: a new run finds a run there, a resumed one finds its checkpoint replaced."""
+    import training
+    finished = runs("dp", "train_dp.py")
+    out = runs.copy(finished, tmp_path / "run") if resume else tmp_path / "run"
+    real_make_datasets = training.make_datasets
+
+    def the_other_run_saves(*args, **kwargs):  # while this run tokenizes
+        if resume:  # the other run saved a newer checkpoint.pt (here: the same bytes, a new file)
+            shutil.copy(out / "checkpoint.pt", out / "newer.tmp")
+            os.replace(out / "newer.tmp", out / "checkpoint.pt")
+        else:
+            shutil.copytree(finished, out)
+        return real_make_datasets(*args, **kwargs)
+
+    monkeypatch.setattr(training, "make_datasets", the_other_run_saves)
+    args = ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), *(["--resume"] if resume else [])]
+    assert main_in_process("train_dp.py", args) == 2
+    message = (f"{out}/checkpoint.pt changed while this run prepared its data (another run saved into the folder): "
+               "start again" if resume else f"{out} already holds a run")
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
+    assert (out / "metrics.jsonl").read_bytes() == (finished / "metrics.jsonl").read_bytes()  # nothing written
+    assert (out / "model.pt").read_bytes() == (finished / "model.pt").read_bytes()
+
+
+def test_resuming_with_another_tokenizer_is_refused(runs, tmp_path, capsys):
+    import data
+    out = runs.copy(runs("dp", "train_dp.py"), tmp_path / "run")
+    other = data.train_tokenizer(data.load_corpus(str(runs.corpus)), vocab_size=280)
+    other.save(str(tmp_path / "other.json"))
+    refused_in_process("train_dp.py", ["--dataset", str(runs.corpus), *FAST_WITH_TOKENIZER, "--resume",
+                                       "--tokenizer", str(tmp_path / "other.json")], out,
+                       f"--tokenizer {tmp_path / 'other.json'} differs from the run's tokenizer.json", capsys)

@@ -75,9 +75,13 @@ def test_tokenizing_happens_once_and_is_read_back_from_the_cache(tokenizer, tmp_
     (tmp_path / "c.txt").write_text("\n".join(DOCS) + "\n")
     texts = data.load_corpus(str(tmp_path / "c.txt"))
     first = data.tokenize(texts, tokenizer, seq_len=16)
+    written = [os.stat(f["filename"]) for f in first.cache_files]
     second = data.tokenize(texts, tokenizer, seq_len=16)  # what the other ranks do
     assert first.cache_files and first.cache_files == second.cache_files
-    assert first._fingerprint == second._fingerprint
+    # read back, not computed again: the cache file is the same file, unwritten since
+    assert [(st.st_ino, st.st_mtime_ns) for st in map(os.stat, (f["filename"] for f in second.cache_files))] == \
+        [(st.st_ino, st.st_mtime_ns) for st in written]
+    assert second["input_ids"] == first["input_ids"]
 
 
 def hostile_texts(n, seed=0):
@@ -164,13 +168,15 @@ def test_a_tokenizer_that_cutting_could_change_encodes_whole_documents():
     assert framed == whole_document_ids(long_docs, lowercase, 8)
 
 
-def test_a_large_corpus_is_tokenized_by_one_process_per_core_with_the_same_result(tokenizer, tmp_path):
+def test_a_large_corpus_is_tokenized_by_one_process_per_core_with_the_same_result(tokenizer, tmp_path, monkeypatch):
+    """12,000 documents on 2 cores (faked, so that a 1-core machine runs this path too): two
+    processes of 5,000 documents or more each."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     texts = [f"document {i}: " + DOCS[i % 3].replace("\n", " ") for i in range(12_000)]
     (tmp_path / "c.txt").write_text("\n".join(texts) + "\n")
     framed = data.tokenize(data.load_corpus(str(tmp_path / "c.txt")), tokenizer, seq_len=16)
+    assert len(framed.cache_files) == 2  # one cache file per process
     assert framed["input_ids"] == whole_document_ids(texts, tokenizer, 16)
-    cores = len(os.sched_getaffinity(0))
-    assert len(framed.cache_files) == min(cores, 2)  # one cache file per process
 
 
 # ---- every --dataset form ---------------------------------------------------------------
@@ -188,6 +194,25 @@ def test_jsonl_json_and_parquet_files_with_a_text_column(tmp_path):
     for name in ("a.jsonl", "b.json", "c.parquet"):
         ds = data.load_corpus(str(tmp_path / name), text_column="body")
         assert ds.column_names == ["text"] and ds["text"] == ["alpha", "beta"]
+
+
+def test_csv_files_and_bz2_shards_are_read(tmp_path):
+    """A .csv file with a text column, and a .txt compressed with bzip2: alone and in a folder."""
+    import bz2
+    (tmp_path / "a.csv").write_text('id,text\n1,"first, with a comma"\n2,second\n')
+    (tmp_path / "b.txt.bz2").write_bytes(bz2.compress(b"from bz2\nand more\n"))
+    assert data.load_corpus(str(tmp_path / "a.csv"))["text"] == ["first, with a comma", "second"]
+    assert data.load_corpus(str(tmp_path / "b.txt.bz2"))["text"] == ["from bz2", "and more"]
+    assert sorted(data.load_corpus(str(tmp_path))["text"]) == ["and more", "first, with a comma", "from bz2",
+                                                                 "second"]
+
+
+def test_the_default_validation_split_is_one_percent_at_least_1_at_most_1000(corpus):
+    assert [data.default_val_docs(n) for n in (5, 240, 12_345, 10**7)] == [1, 2, 123, 1000]
+    import training
+    cfg = training.parse_args(["--dataset", str(corpus)])  # no --val-docs
+    train_text, val_text, _ = training.load_text(cfg)
+    assert len(val_text) == 2 and len(train_text) == 238
 
 
 def test_folder_of_mixed_files(tmp_path):

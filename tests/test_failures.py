@@ -3,8 +3,8 @@ nodes, Slurm, and checkpoint files crafted to run code. Each test ends by compar
 weights or file contents with an uninterrupted run."""
 
 import os
+import re
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -13,7 +13,8 @@ import torch
 
 import checkpointing
 from errors import UsageError
-from conftest import FAST, REPO, ddp_two_ranks, launch_env, load_weights, max_weight_diff, metrics, run_script, without_speed
+from conftest import (FAST, REPO, ddp_two_ranks, launch_env, load_weights, max_weight_diff, metrics, run_script,
+                      stopped_at_step_4, train, without_speed)
 
 
 def fault_env(tmp_path, fault, step, rank=0):
@@ -49,19 +50,30 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_exactly(runs, tmp_path
     assert without_speed(metrics(out)) == without_speed(metrics(reference))
 
 
-def test_preempted_ddp_ranks_agree_on_a_step_save_and_exit_0(runs, tmp_path):
-    """SIGTERM to torchrun (what `scancel` does) at step 3: rank 0 sees it at once, rank 1
-    only when torchrun forwards it, yet both stop after step 3; rank 0 saves; both exit 0."""
+def test_preempted_ddp_ranks_agree_on_a_step_save_and_exit_0_even_with_a_save_hanging_on_a_slow_disk(runs, tmp_path):
+    """SIGTERM to torchrun (what `scancel` does) in step 6: rank 0 sees it at once, rank 1 only
+    when torchrun forwards it, yet both stop after step 6; rank 0 saves; both exit 0. Rank 0's
+    write of the step-4 checkpoint cannot finish until training reaches step 6: a trainer that
+    wrote checkpoints in its loop would deadlock, and with a 0.25-minute collective timeout
+    rank 1 would fail within seconds. Ours writes in the background and goes on."""
     reference = ddp_two_ranks(runs)
     out = tmp_path / "run"
-    proc = run_script("train_ddp.py", train_args(runs, out), nproc=2, wrapper="tests/inject_fault.py",
-                      env=fault_env(tmp_path, "sigterm-launcher", step=3), check=False)
-    assert "stopped by a signal after step 3 of 8: " in proc.stdout
-    assert f"checkpoint saved in {out}/checkpoint.pt; continue with --resume" in proc.stdout
+    proc = run_script("train_ddp.py", train_args(runs, out, "--timeout-minutes", "0.25"), nproc=2,
+                      wrapper="tests/inject_fault.py", env=fault_env(tmp_path, "slow-disk,sigterm-launcher", step=6),
+                      check=False, timeout=120)
+    summary = proc.stdout[proc.stdout.index("stopped by a signal"):].splitlines()
+    rows = metrics(out)
+    loss, val_loss = [r["loss"] for r in rows if "loss" in r][-1], [r["val_loss"] for r in rows if "val_loss" in r][-1]
+    assert re.fullmatch(rf"stopped by a signal after step 6 of 8: 1,536 tokens in \d+:\d\d:\d\d \| train loss "
+                        rf"{loss:.4f} \| val loss {val_loss:.4f}", summary[0]), summary
+    assert summary[1:] == [f"checkpoint saved in {out}/checkpoint.pt; continue with --resume"]
     assert exit_codes(tmp_path) == {"exit-rank0": "0", "exit-rank1": "0"}
-    assert checkpoint_step(out) == 3 and not (out / "model.pt").exists()
+    assert checkpoint_step(out) == 6 and not (out / "model.pt").exists()
     run_script("train_ddp.py", train_args(runs, out, "--resume"), nproc=2)
     assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
+    # three checkpoints were saved (steps 4, 6 and 8): --keep-checkpoints 2 pruned the oldest
+    assert sorted(p.name for p in out.glob("checkpoint*.pt")) == [
+        "checkpoint-00000006.pt", "checkpoint-00000008.pt", "checkpoint.pt"]
 
 
 @pytest.mark.parametrize("signal_name", ["sigusr1", "sigint"])
@@ -74,7 +86,7 @@ def test_sigusr1_or_ctrl_c_stops_the_dataparallel_script_which_resumes_exactly(r
     assert "Traceback" not in proc.stderr
     assert checkpoint_step(out) == 3
     if signal_name == "sigusr1":  # the same stop either way: one resume shows it is exact
-        run_script("train_dp.py", train_args(runs, out, "--resume"))
+        train("train_dp.py", train_args(runs, out, "--resume"))
         assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
 
 
@@ -105,31 +117,20 @@ def test_a_full_disk_is_one_line_leaves_no_temp_file_and_the_run_resumes(runs, t
     (out / "checkpoint-00000008.pt.tmp").write_bytes(b"torn")
     (out / "tokenizer.json.tmp").write_bytes(b"")
     (out / "notes.tmp").write_text("the user's own file")
-    run_script("train_dp.py", train_args(runs, out, "--resume"))
+    train("train_dp.py", train_args(runs, out, "--resume"))
     assert sorted(p.name for p in out.glob("*.tmp")) == ["notes.tmp"]
     assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
 
 
-def test_a_slow_disk_never_holds_the_other_ranks_in_a_collective(runs, tmp_path):
-    """Rank 0's first checkpoint write (step 4) cannot finish until training reaches step 6.
-    A trainer that wrote checkpoints in its loop would deadlock; with a 0.25-minute collective
-    timeout rank 1 would fail within seconds. Ours writes in the background and goes on."""
-    reference = ddp_two_ranks(runs)
-    out = tmp_path / "run"
-    run_script("train_ddp.py", train_args(runs, out, "--timeout-minutes", "0.25"), nproc=2,
-               wrapper="tests/inject_fault.py", env=fault_env(tmp_path, "slow-disk", step=6), timeout=120)
-    assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
-    assert sorted(p.name for p in out.glob("checkpoint-*.pt")) == ["checkpoint-00000004.pt", "checkpoint-00000008.pt"]
-
-
 def test_data_preparation_may_outlast_the_training_timeout(runs, tmp_path):
-    """Local rank 0 prepares the data (here: 7 s) while rank 1 waits. The wait is bounded by
-    --data-timeout-minutes, not by the 3-second --timeout-minutes of training collectives,
-    so a cold cache does not kill the job; training then runs under the short timeout."""
+    """Local rank 0 prepares the data (here: 7 s longer) while rank 1 waits. The wait is bounded
+    by --data-timeout-minutes, not by the 6-second --timeout-minutes of training collectives,
+    so a cold cache does not kill the job; training then runs under the short timeout. (Rank
+    1 cannot stop waiting before rank 0 has slept: the wait outlasts 6 s on any machine.)"""
     reference = ddp_two_ranks(runs)
     out = tmp_path / "run"
     env = {**fault_env(tmp_path, "slow-prepare", step=0), "FAULT_SECONDS": "7"}
-    proc = run_script("train_ddp.py", train_args(runs, out, "--timeout-minutes", "0.05"), nproc=2,
+    proc = run_script("train_ddp.py", train_args(runs, out, "--timeout-minutes", "0.1"), nproc=2,
                       wrapper="tests/inject_fault.py", env=env, timeout=120)
     assert "Traceback" not in proc.stderr
     assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
@@ -142,7 +143,7 @@ def test_data_preparation_has_its_own_bound(runs, tmp_path):
     env = {**fault_env(tmp_path, "slow-prepare", step=0), "FAULT_SECONDS": "20"}
     proc = run_script("train_ddp.py", train_args(runs, out, "--data-timeout-minutes", "0.05"), nproc=2,
                       wrapper="tests/inject_fault.py", env=env, check=False, timeout=120)
-    assert proc.returncode != 0 and not (out / "model.pt").exists()
+    assert proc.returncode == 1 and not (out / "model.pt").exists()  # torchrun's status when a worker failed
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(ours) == 1 and ours[0].startswith(
         "error: rank 1 stopped waiting for data preparation (--data-timeout-minutes): "), proc.stderr
@@ -151,43 +152,67 @@ def test_data_preparation_has_its_own_bound(runs, tmp_path):
         assert f'File "{REPO / ours}"' not in proc.stderr
 
 
-def test_the_side_groups_wait_as_long_as_they_should():
-    """Under NCCL the per-step stop flag travels over a gloo group: it must time out with the
-    training collectives (--timeout-minutes), not after gloo's 30-minute default. Data
-    preparation's group waits --data-timeout-minutes."""
-    import datetime
+def _wait_alone(rank, store_path, results, done):
+    """Rank 1 of 2 waits in a collective of each side group that rank 0 never joins (rank 0
+    stays connected until rank 1 is done), and reports how long each wait lasted."""
+    import time
+
     import torch.distributed as dist
     from launcher import side_groups
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        prep, control = side_groups("nccl", timeout_minutes=7, data_timeout_minutes=120)
-        waits = [group._get_backend(torch.device("cpu")).options._timeout for group in (prep, control)]
-        assert waits == [datetime.timedelta(minutes=120), datetime.timedelta(minutes=7)]
-        assert side_groups("gloo", 7, 120)[1] is None  # under gloo the main group carries the flag
-    finally:
-        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    prep, control = side_groups("nccl", timeout_minutes=0.02, data_timeout_minutes=0.06)  # 1.2 s, 3.6 s
+    if rank == 1:
+        waited = []
+        for group in (control, prep):
+            start = time.monotonic()
+            try:
+                dist.barrier(group=group)
+            except RuntimeError:  # gloo's timeout
+                waited.append(time.monotonic() - start)
+        results.put(waited)
+        results.close()
+        results.join_thread()
+        done.set()
+    done.wait(timeout=120)
+    os._exit(0)  # nothing more to tear down
 
 
-def test_two_runs_cannot_share_an_out_dir(runs, tmp_path):
+def test_the_side_groups_wait_as_long_as_they_should(tmp_path):
+    """Under NCCL the per-step stop flag travels over a gloo group: it must time out with the
+    training collectives (--timeout-minutes), not after gloo's 30-minute default. Data
+    preparation's group waits --data-timeout-minutes. Seen from a rank left waiting alone."""
+    import torch.multiprocessing as mp
+    spawn = mp.get_context("spawn")
+    results, done = spawn.Queue(), spawn.Event()
+    mp.start_processes(_wait_alone, args=(str(tmp_path / "store"), results, done), nprocs=2, join=False,
+                       start_method="spawn")
+    control, prep = results.get(timeout=120)
+    assert 1.2 <= control < 3.6 <= prep < 60  # each gave up after its own timeout, not gloo's 30 minutes
+
+
+def test_two_runs_cannot_share_an_out_dir(runs, tmp_path, capsys):
     """While a run holds --out-dir (here this test process, as if it were a run in progress),
     another run into it stops with one line and writes nothing; once the holder dies, the
     folder is free again, with no stale lock to clean up."""
+    import select
     import signal
+
+    from test_bad_inputs import refused_in_process
     out = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, checkpointing; "
                                f"checkpointing.lock_out_dir({str(out)!r}); print('locked', flush=True); sys.stdin.read()"],
                               cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline() == "locked\n"  # the holder has the lock from here on
-        proc = run_script("train_dp.py", train_args(runs, out), check=False)
-        ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-        assert proc.returncode != 0 and ours == [f"error: another run is using {out}: wait for it to end, "
-                                                 "or choose another --out-dir"], proc.stderr
+        ready, _, _ = select.select([holder.stdout], [], [], 60)  # a bounded wait for the holder
+        assert ready and holder.stdout.readline() == "locked\n"  # the holder has the lock from here on
+        refused_in_process("train_dp.py", train_args(runs, out)[:-2], out,
+                           f"another run is using {out}: wait for it to end, or choose another --out-dir",
+                           capsys)
         assert list(out.iterdir()) == []
     finally:
         holder.send_signal(signal.SIGKILL)  # dies without any cleanup
-        holder.wait()
-    run_script("train_dp.py", train_args(runs, out))
+        holder.wait(timeout=60)
+    train("train_dp.py", train_args(runs, out))
     assert max_weight_diff(load_weights(runs("dp", "train_dp.py")), load_weights(out)) == 0.0
 
 
@@ -267,71 +292,78 @@ def test_only_the_checkpoints_the_trainer_names_are_pruned_or_resumed_from(tmp_p
 
 
 @pytest.mark.parametrize("damage", ['{"step": 5, "epo', "\n\n  \n"])
-def test_a_torn_last_metrics_line_or_blank_lines_do_not_block_a_resume(runs, tmp_path, damage):
+def test_a_torn_last_metrics_line_or_blank_lines_do_not_block_a_resume(runs, tmp_path, damage, capsys):
     """A crash or a full disk can leave half a row at the end of metrics.jsonl. Resume drops
     it (with a warning if it was a torn row) and ends like an uninterrupted run."""
     reference = runs("dp", "train_dp.py")
-    out = tmp_path / "run"
-    shutil.copytree(runs("dp_stop4", "train_dp.py", ["--stop-at-step", "4"]), out)
+    out = stopped_at_step_4(runs, tmp_path)
     with open(out / "metrics.jsonl", "a") as f:
         f.write(damage)
-    proc = run_script("train_dp.py", train_args(runs, out, "--resume"))
-    assert ("dropping its torn last line" in proc.stderr) == ("{" in damage)
+    capsys.readouterr()
+    train("train_dp.py", train_args(runs, out, "--resume"))
+    assert ("dropping its torn last line" in capsys.readouterr().err) == ("{" in damage)
     assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
     assert without_speed(metrics(out)) == without_speed(metrics(reference))
 
 
-def test_a_damaged_metrics_line_is_one_line_before_anything_is_written(runs, tmp_path):
-    out = tmp_path / "run"
-    shutil.copytree(runs("dp_stop4", "train_dp.py", ["--stop-at-step", "4"]), out)
+def test_a_damaged_metrics_line_is_one_line_before_anything_is_written(runs, tmp_path, capsys):
+    from test_bad_inputs import refused_in_process
+    out = stopped_at_step_4(runs, tmp_path)
     rows = (out / "metrics.jsonl").read_text().splitlines()
     (out / "metrics.jsonl").write_text("\n".join([rows[0], "not json", *rows[1:]]) + "\n")
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    proc = run_script("train_ddp.py", train_args(runs, out, "--resume"), nproc=2, check=False)
-    ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert ours == [f"error: {out}/metrics.jsonl, line 2: Expecting value: line 1 column 1 (char 0); "
-                    "repair or remove that line"]
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    refused_in_process("train_ddp.py", ["--dataset", str(runs.corpus), *FAST, "--resume"], out,
+                       f"error: {out}/metrics.jsonl, line 2: Expecting value: line 1 column 1 (char 0); "
+                       "repair or remove that line", capsys)
 
 
-def test_an_unreadable_newest_checkpoint_falls_back_to_the_older_one(runs, tmp_path):
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_older_one(runs, tmp_path, capsys):
     reference = runs("dp", "train_dp.py")
     out = tmp_path / "run"
     shutil.copytree(reference, out)
     for torn in ("checkpoint.pt", "checkpoint-00000008.pt"):  # the newest, under both its names
         (out / torn).write_bytes((out / torn).read_bytes()[:1000])
-    proc = run_script("train_dp.py", train_args(runs, out, "--resume"))
-    assert f"warning: cannot load checkpoint {out}/checkpoint.pt" in proc.stderr
-    assert "falling back to checkpoint-00000004.pt" in proc.stderr
-    assert f"resumed from {out}/checkpoint-00000004.pt at step 4" in proc.stdout
+    capsys.readouterr()
+    printed = train("train_dp.py", train_args(runs, out, "--resume"))
+    err = capsys.readouterr().err
+    assert f"warning: cannot load checkpoint {out}/checkpoint.pt" in err
+    assert "falling back to checkpoint-00000004.pt" in err
+    assert f"resumed from {out}/checkpoint-00000004.pt at step 4" in printed
     assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
 
 
 # ---- several nodes ----------------------------------------------------------------------
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_nodes_train_the_same_model_as_one_node(runs, tmp_path):
+def test_two_nodes_train_the_same_model_as_one_node_and_only_rank_0_writes(runs, tmp_path):
     """Two torchrun launchers on this machine play two nodes with one process each,
-    rendezvous over c10d, each with its own datasets cache as on separate machines."""
+    rendezvous over c10d, each with its own datasets cache and its own disk, as separate
+    machines have: node 1's --out-dir is a folder of its own. Whatever rank 1 wrote, by any
+    means, would be there; it stays empty."""
+    import datetime
+    import torch.distributed as dist
     reference = ddp_two_ranks(runs)
-    out, port = tmp_path / "run", free_port()
+    out = {0: tmp_path / "node0" / "run", 1: tmp_path / "node1" / "run"}
+    # the rendezvous store, held by this test: its port is bound from the start (no free port
+    # picked, closed and reused later); both launchers connect to it as clients
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(minutes=5))
     launchers = []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                f"--node_rank={node}", "--rdzv-id=two-nodes", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{port}", str(REPO / "train_ddp.py"), *train_args(runs, out)]
+               f"--rdzv-endpoint=127.0.0.1:{store.port}", "--rdzv-conf=is_host=false", str(REPO / "train_ddp.py"),
+               *train_args(runs, out[node])]
         env = launch_env({"HF_HOME": str(tmp_path / f"hf-node{node}")})  # one thread, as the reference
         launchers.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
-    for launcher in launchers:
-        output, _ = launcher.communicate(timeout=300)
-        assert launcher.returncode == 0, output
-    assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
+    try:
+        for launcher in launchers:
+            output, _ = launcher.communicate(timeout=300)
+            assert launcher.returncode == 0, output
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+    assert max_weight_diff(load_weights(reference), load_weights(out[0])) == 0.0
+    assert not (tmp_path / "node1").exists()  # not even the folder
 
 
 @pytest.mark.parametrize("script_env, script_name", [({}, "train_ddp.py"),
@@ -395,9 +427,12 @@ def test_a_diverging_run_stops_with_one_line_and_saves_nothing_non_finite(runs, 
     import math
     out = tmp_path / "run"
     args = train_args(runs, out, "--lr", "100", "--warmup-steps", "0", "--max-steps", "20", "--save-every", "1")
-    proc = run_script(script, args, nproc=nproc, check=False)
+    proc = run_script(script, args, nproc=nproc, check=False, wrapper="tests/inject_fault.py",
+                      env=fault_env(tmp_path, "none", step=0))
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode != 0 and len(ours) == 1, proc.stderr
+    assert len(ours) == 1, proc.stderr
+    assert exit_codes(tmp_path) == ({"exit-rank0": "2", "exit-rank1": "2"} if nproc else {"exit-rank0": "2"})
+    assert proc.returncode == (1 if nproc else 2)  # torchrun's status when a worker failed; ours
     assert ours[0].startswith("error: training diverged: the ") and "Start again with a lower --lr (was 100.0)" in ours[0]
     assert not (out / "model.pt").exists()
     saved = sorted(out.glob("checkpoint-*.pt"))

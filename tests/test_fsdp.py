@@ -1,6 +1,7 @@
 """train_fsdp.py: FSDP2 trains the model DDP trains, at every world size; its sharded
 checkpoints resume exactly, on another world size too, and survive what DDP's survive."""
 
+import re
 import shutil
 
 import pytest
@@ -8,8 +9,10 @@ import torch
 
 import checkpointing
 import generate
-from conftest import (BF16, FAST, assert_follows_in_bf16, assert_same_model, assert_same_weights, ddp_two_ranks,
-                      load_weights, run_script)
+from conftest import (BF16, FAST, FLOOR_MULTIPLE, assert_follows_in_bf16, assert_same_model, assert_same_weights,
+                      assert_within, ddp_two_ranks, load_weights, metrics, run_script, spied, train)
+from data import BOT, EOT
+from test_using_the_model import greedy_without_cache
 from test_bad_inputs import refused_in_process
 from test_failures import exit_codes, fault_env
 
@@ -19,8 +22,21 @@ from test_failures import exit_codes, fault_env
 # floor measured in this session (conftest.FLOOR_MULTIPLE), as for another world size.
 
 
+def val_loss_distance(a, b) -> float:
+    """The largest relative difference between the val losses two runs logged at the same steps.
+    (Only these: a run resumed from a step between two logged ones logs a train loss over
+    fewer steps at the next one.)"""
+    val = [{row["step"]: row["val_loss"] for row in metrics(run) if "val_loss" in row} for run in (a, b)]
+    assert val[0].keys() == val[1].keys()
+    return max(abs(val[0][step] - val[1][step]) / val[1][step] for step in val[0])
+
+
 def fsdp_two_ranks(runs):
-    return runs("fsdp2", "train_fsdp.py", nproc=2)
+    """The reference FSDP run, every file write of each rank recorded (as conftest.ddp_two_ranks)."""
+    logs = runs.root / "fsdp2-writes"
+    logs.mkdir(exist_ok=True)
+    return runs("fsdp2", "train_fsdp.py", nproc=2, wrapper="tests/record_writes.py",
+                env={"WATCH_DIR": str(runs.root / "fsdp2"), "WRITE_LOG_DIR": str(logs)})
 
 
 def args(runs, out, *extra):
@@ -52,51 +68,134 @@ def test_each_rank_writes_its_own_shard_and_model_pt_is_a_plain_state_dict(runs,
                                                      "metrics.jsonl", "model.pt", "tokenizer.json"]
     shards = sorted(p.name for p in (out / "checkpoint-00000008").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.pt"]  # one file per rank
-    model, _ = checkpointing.load_trained(out)  # strict load into model.py's model
+    model, tokenizer = checkpointing.load_trained(out)  # strict load into model.py's model
     assert model.state_dict().keys() == load_weights(runs("dp", "train_dp.py")).keys()
-    generate.main([str(out), "--prompt", "the", "--max-new-tokens", "3"])
-    assert capsys.readouterr().out.startswith("the")
+    generate.main([str(out), "--prompt", "the", "--max-new-tokens", "5", "--temperature", "0"])
+    prompt = [tokenizer.token_to_id(BOT)] + tokenizer.encode("the", add_special_tokens=False).ids
+    new = greedy_without_cache(model, prompt, 5)
+    new = new[:new.index(tokenizer.token_to_id(EOT))] if tokenizer.token_to_id(EOT) in new else new
+    assert capsys.readouterr().out == tokenizer.decode(prompt + new, skip_special_tokens=True) + "\n"
 
 
-def test_a_preempted_run_stops_cleanly_and_resumes_on_two_ranks_bitwise_and_on_one_within_rounding(runs, tmp_path,
-                                                                                                  floor):
+def test_only_rank_0_writes_the_run_files_and_each_rank_only_its_own_shards(runs):
+    out = fsdp_two_ranks(runs)
+    logs = runs.root / "fsdp2-writes"
+    rank0 = (logs / "rank0.txt").read_text().splitlines()
+    rank1 = (logs / "rank1.txt").read_text().splitlines()
+    for name in ("model.pt", "metrics.jsonl", "tokenizer.json", "config.json"):
+        assert any(line.endswith(f"{out}/{name}") for line in rank0), name
+    # rank 1 writes its shard file into each checkpoint's folder (DCP's writer makes sure the
+    # folder exists on every rank), and nothing else
+    assert rank1 == [event for step in (4, 8) for event in (f"os.mkdir {out}/checkpoint-{step:08d}.tmp",
+                                                             f"open {out}/checkpoint-{step:08d}.tmp/__1_0.distcp")]
+    assert not [line for line in rank0 if "__1_0" in line]
+
+
+def test_a_preempted_run_stops_cleanly_and_resumes_on_1_and_4_ranks_within_rounding(runs, tmp_path, floor):
+    """SIGTERM to torchrun at step 3: every rank stops after step 3, a sharded checkpoint is
+    saved, and the summary names it. Resharded for 1 and for 4 ranks, it resumes the same
+    model to rounding (by 2 ranks, bitwise: the test below); --keep-checkpoints 2 then prunes
+    checkpoint-00000003 once 4 and 8 are saved."""
     reference = fsdp_two_ranks(runs)
     out = tmp_path / "run"
     proc = run_script("train_fsdp.py", args(runs, out), nproc=2, wrapper="tests/inject_fault.py",
                       env=fault_env(tmp_path, "sigterm-launcher", step=3), check=False)
-    assert "stopped by a signal after step 3 of 8: " in proc.stdout
+    loss = [row for row in metrics(out) if "loss" in row][-1]["loss"]  # step 2's: logged every 2 steps
+    summary = proc.stdout[proc.stdout.index("stopped by a signal"):].splitlines()
+    assert re.fullmatch(rf"stopped by a signal after step 3 of 8: 768 tokens in \d+:\d\d:\d\d \| train loss {loss:.4f}",
+                        summary[0]), summary
+    assert summary[1:] == [f"checkpoint saved in {out}/checkpoint-00000003; continue with --resume"]
     assert exit_codes(tmp_path) == {"exit-rank0": "0", "exit-rank1": "0"}
-    assert (out / "checkpoint-00000003" / "__1_0.distcp").is_file() and not (out / "model.pt").exists()
-    one_rank = tmp_path / "one-rank"
-    shutil.copytree(out, one_rank)
-    run_script("train_fsdp.py", args(runs, out, "--resume"), nproc=2)
-    assert_same_weights(out, reference)
-    proc = run_script("train_fsdp.py", args(runs, one_rank, "--resume"))  # saved by 2 ranks, resharded for 1
-    assert f"resumed from {one_rank}/checkpoint-00000003 at step 3" in proc.stdout
+    assert sorted(p.name for p in (out / "checkpoint-00000003").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.pt"]
+    assert not (out / "model.pt").exists()
+    one_rank, four_ranks = runs.copy(out, tmp_path / "one-rank"), runs.copy(out, tmp_path / "four-ranks")
+    printed = train("train_fsdp.py", args(runs, one_rank, "--resume"))  # saved by 2 ranks, resharded for 1
+    assert f"resumed from {one_rank}/checkpoint-00000003 at step 3" in printed
     assert_same_weights(one_rank, reference, floor)
+    run_script("train_fsdp.py", args(runs, four_ranks, "--resume"), nproc=4)  # ...and for 4
+    assert_same_weights(four_ranks, reference, floor)
+    assert sorted(p.name for p in four_ranks.glob("checkpoint-*")) == ["checkpoint-00000004", "checkpoint-00000008"]
+    # 9 held-out documents over 4 ranks: 3 of them evaluate a padding sequence besides their 2
+    assert_within("val losses", val_loss_distance(four_ranks, reference), floor.loss, FLOOR_MULTIPLE)
 
 
-def test_a_killed_worker_is_restarted_and_the_run_resumes_exactly(runs, tmp_path):
+def test_a_checkpoint_of_one_rank_resumes_on_two(runs, tmp_path, floor):
+    """FSDP in a world of one stopped at step 4 (its checkpoint-00000008 and model.pt taken
+    away), resumed by 2 ranks: each now reads half of every tensor."""
+    half = runs.copy(runs("fsdp1", "train_fsdp.py"), tmp_path / "run")
+    shutil.rmtree(half / "checkpoint-00000008")
+    (half / "model.pt").unlink()
+    proc = run_script("train_fsdp.py", args(runs, half, "--resume"), nproc=2)
+    assert f"resumed from {half}/checkpoint-00000004 at step 4" in proc.stdout
+    assert_same_model(half, fsdp_two_ranks(runs), floor)
+
+
+def test_sigusr1_and_ctrl_c_on_one_rank_stop_every_rank_even_with_a_save_hanging_on_a_slow_disk(runs, tmp_path):
+    """SIGUSR1 (Slurm's warning) and Ctrl-C reach rank 0 in step 6 (either alone would stop the
+    run; unhandled, either would kill it); rank 1 learns of them through the per-step flag.
+    Rank 0's write of the step-4 checkpoint hangs on a slow disk until step 6: training went
+    on meanwhile, and the stop's own save waits for it. Both ranks exit 0; the resumed run is
+    the uninterrupted one, bitwise."""
     reference = fsdp_two_ranks(runs)
     out = tmp_path / "run"
     proc = run_script("train_fsdp.py", args(runs, out), nproc=2, wrapper="tests/inject_fault.py",
-                      env=fault_env(tmp_path, "kill", step=8, rank=1), torchrun_args=["--max-restarts=1"])
-    assert f"resumed from {out}/checkpoint-00000004 at step 4 (restart 1)" in proc.stdout
+                      env=fault_env(tmp_path, "slow-disk,sigusr1,sigint", step=6))
+    assert "stopped by a signal after step 6 of 8" in proc.stdout
+    assert "Ctrl-C: saving after this step" in proc.stderr
+    assert exit_codes(tmp_path) == {"exit-rank0": "0", "exit-rank1": "0"}
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-00000004", "checkpoint-00000006"]
+    run_script("train_fsdp.py", args(runs, out, "--resume"), nproc=2)
     assert_same_weights(out, reference)
 
 
-def test_an_incomplete_newest_checkpoint_falls_back_and_a_half_written_one_is_cleared(runs, tmp_path):
+def test_a_worker_killed_before_the_first_checkpoint_restarts_from_step_0(runs, tmp_path):
+    """kill -9 of rank 1 in step 3, before the first checkpoint (step 4): the restarted workers
+    have nothing to resume. They start again over the files of their own first attempt (no
+    refusal of a folder holding another run's files), and the step-2 row it logged is not
+    left twice in metrics.jsonl."""
     reference = fsdp_two_ranks(runs)
     out = tmp_path / "run"
-    shutil.copytree(reference, out)
+    proc = run_script("train_fsdp.py", args(runs, out), nproc=2, wrapper="tests/inject_fault.py",
+                      env=fault_env(tmp_path, "kill", step=3, rank=1), torchrun_args=["--max-restarts=1"])
+    assert "resumed" not in proc.stdout and "done after step 8 of 8: 2,048 tokens" in proc.stdout
+    assert_same_model(out, reference)
+
+
+def test_an_incomplete_newest_checkpoint_falls_back_and_a_half_written_one_is_cleared(runs, tmp_path, capsys, floor):
+    """Resumed in a world of one (in this process): the 2-rank shards of step 4 are resharded."""
+    reference = fsdp_two_ranks(runs)
+    out = runs.copy(reference, tmp_path / "run")
     (out / "checkpoint-00000008" / ".metadata").unlink()  # as if a disk lost it
     (out / "checkpoint-00000009.tmp").mkdir()  # a save that not every rank finished
     (out / "checkpoint-00000009.tmp" / "__0_0.distcp").write_bytes(b"half")
-    proc = run_script("train_fsdp.py", args(runs, out, "--resume"), nproc=2)
+    capsys.readouterr()
+    train("train_fsdp.py", args(runs, out, "--resume"))
     assert "checkpoint-00000008 has no .metadata: not a complete checkpoint; falling back to checkpoint-00000004" \
-        in proc.stderr
+        in capsys.readouterr().err
     assert not (out / "checkpoint-00000009.tmp").exists()
-    assert_same_weights(out, reference)
+    assert_same_weights(out, reference, floor)
+
+
+def test_an_unreadable_train_state_falls_back_to_the_older_checkpoint(runs, tmp_path, capsys):
+    """Which checkpoint a resume starts from is decided before any shard is read: a newest one
+    whose train_state.pt is torn is passed over, with a warning, for the next older one."""
+    import sharded_checkpointing
+    out = runs.copy(fsdp_two_ranks(runs), tmp_path / "run")
+    state = out / "checkpoint-00000008" / "train_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    ckpt = sharded_checkpointing.load_latest_checkpoint(out)
+    assert ckpt["step"] == 4 and ckpt["path"] == str(out / "checkpoint-00000004")
+    assert capsys.readouterr().err.startswith(f"warning: cannot load checkpoint {state}: ")
+
+
+@pytest.mark.compile
+def test_compiled_fsdp_on_two_ranks_trains_the_same_model(runs, floor):
+    """--compile under FSDP compiles each decoder layer before it is sharded: graphs are built
+    on both ranks, and the model is the eager one to rounding."""
+    compiled, spy = spied(runs, "fsdp2_compiled", "train_fsdp.py", ["--compile"], nproc=2)
+    assert len(spy) == 2 and all(rank["compiled_graphs"] > 0 for rank in spy)
+    assert_same_model(compiled, fsdp_two_ranks(runs), floor)
 
 
 @pytest.mark.parametrize("script, run, message", [
@@ -105,18 +204,18 @@ def test_an_incomplete_newest_checkpoint_falls_back_and_a_half_written_one_is_cl
     ("train_ddp.py", "fsdp2", "holds sharded checkpoints of train_fsdp.py: continue that run with train_fsdp.py"),
     ("train_dp.py", "fsdp2", "holds sharded checkpoints of train_fsdp.py"),
 ])
-def test_a_run_of_the_other_kind_is_refused_and_left_untouched(runs, tmp_path, script, run, message, monkeypatch,
-                                                               capsys):
+def test_a_run_of_the_other_kind_is_refused_and_left_untouched(runs, tmp_path, script, run, message, capsys):
     out = tmp_path / "run"
     shutil.copytree(fsdp_two_ranks(runs) if run == "fsdp2" else runs("dp", "train_dp.py"), out)
-    refused_in_process(script, ["--dataset", str(runs.corpus), *FAST, "--resume"], out, message, monkeypatch, capsys)
+    refused_in_process(script, ["--dataset", str(runs.corpus), *FAST, "--resume"], out, message, capsys)
 
 
 def test_bf16_under_fsdp_learns_trains_the_same_model_on_two_ranks_as_on_one_and_saves_fp32_weights(runs,
                                                                                                    bf16_floor):
     """FSDP's bf16 differs from autocast's by design (conftest.BF16_MULTIPLE), so the
     reference is FSDP's bf16 in a world of one: the same arithmetic, added in another order."""
-    out = runs("fsdp2_bf16", "train_fsdp.py", BF16, nproc=2)
+    out, spy = spied(runs, "fsdp2_bf16", "train_fsdp.py", BF16, nproc=2)
+    assert [rank["matmul_dtypes"] for rank in spy] == [["bfloat16"]] * 2  # the flag took effect on both ranks
     assert_follows_in_bf16(out, runs("fsdp1_bf16", "train_fsdp.py", BF16), bf16_floor)
     assert all(w.dtype == torch.float32 for w in load_weights(out).values())
 

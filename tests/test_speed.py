@@ -3,8 +3,8 @@ figures in metrics.jsonl are computed from a FLOP count that matches PyTorch's o
 
 import json
 import shutil
-import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -14,8 +14,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import checkpointing
 import training
 from errors import UsageError
-from conftest import (BF16, FAST, FP32_LIKE_BF16, REPO, assert_follows_in_bf16, assert_same_model, load_weights,
-                      metrics, run_script)
+from conftest import (BF16, FAST, FP32_LIKE_BF16, assert_follows_in_bf16, assert_same_model, load_weights, metrics,
+                      spied, train)
 from model import LlamaConfig, LlamaForPretraining
 
 
@@ -32,12 +32,15 @@ def test_flops_per_token_matches_pytorchs_flop_counter():
     assert counter.get_total_flops() == model.flops_per_token(T) * B * T
 
 
-def test_compute_dtype_on_cpus():
+@pytest.mark.parametrize("amx, auto", [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_picks_bf16_only_on_cpus_with_amx(monkeypatch, amx, auto):
+    """AMX (bf16 matrix units) is the hardware fact faked here, so both answers are checked on
+    every machine."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     cpu = torch.device("cpu")
+    assert training.compute_dtype("auto", cpu) == auto
     assert training.compute_dtype("fp32", cpu) == torch.float32
-    assert training.compute_dtype("bf16", cpu) == torch.bfloat16
-    expected = torch.bfloat16 if torch.cpu._is_amx_tile_supported() else torch.float32  # this machine's answer
-    assert training.compute_dtype("auto", cpu) == expected
+    assert training.compute_dtype("bf16", cpu) == torch.bfloat16  # asked for: slow without AMX, but it works
 
 
 @pytest.mark.parametrize("gpu, capability, auto", [
@@ -83,16 +86,25 @@ def test_mfu_divides_by_the_peak_of_every_gpu_at_work(monkeypatch):
     assert speed["tokens_per_s"] == 10 * 64 * 512 / 2.0 and speed["tokens_per_s_nonpad"] == 150_000
     assert speed["tflops"] == pytest.approx(163.84) and speed["flops_per_token"] == 10**9
     assert speed["mfu"] == pytest.approx(163.84 / (4 * 756))
-    # train_dp.py counts the GPUs DataParallel computes on (here as if 4 were visible)
-    model = torch.nn.Linear(2, 2)
-    assert training.devices_in_use(model) == 1
-    dp = torch.nn.DataParallel(model)
-    dp.device_ids = [0, 1, 2, 3]
-    assert training.devices_in_use(dp) == 4
+    assert training.devices_in_use(torch.nn.Linear(2, 2)) == 1
+
+
+def test_mfu_counts_every_gpu_dataparallel_picks(monkeypatch):
+    """train_dp.py gives DataParallel no device_ids: it takes every visible GPU, and MFU must
+    divide by all of them. Four visible GPUs are faked; DataParallel itself picks them."""
+    dp_module = sys.modules["torch.nn.parallel.data_parallel"]  # the module; its name is also a function's
+    monkeypatch.setattr(dp_module, "_get_available_device_type", lambda: "cuda")
+    monkeypatch.setattr(dp_module, "_get_all_device_indices", lambda: [0, 1, 2, 3])
+    monkeypatch.setattr(dp_module, "_check_balance", lambda device_ids: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    model = torch.nn.DataParallel(torch.nn.Identity())
+    assert training.devices_in_use(model) == 4
+    assert training.peak_tflops(torch.device("cuda", 0), torch.bfloat16, training.devices_in_use(model)) == 4 * 312
 
 
 def test_bf16_trains_like_fp32(runs, bf16_floor):
-    bf16 = runs("dp_bf16", "train_dp.py", BF16)
+    bf16, spy = spied(runs, "dp_bf16", "train_dp.py", BF16)
+    assert spy[0]["matmul_dtypes"] == ["bfloat16"]  # every Linear computed in bf16: the flag took effect
     assert_follows_in_bf16(bf16, runs("dp_short", "train_dp.py", FP32_LIKE_BF16), bf16_floor)  # it follows fp32
     assert all(w.dtype == torch.float32 for w in load_weights(bf16).values())  # fp32 master weights
 
@@ -101,7 +113,8 @@ def test_bf16_trains_like_fp32(runs, bf16_floor):
 def test_compiled_run_trains_the_same_model_and_its_checkpoints_load_into_a_plain_one(runs, tmp_path, floor):
     """Compiled kernels fuse and reorder the arithmetic: the same model to rounding."""
     eager = runs("dp", "train_dp.py")
-    compiled = runs("dp_compiled", "train_dp.py", ["--compile"])
+    compiled, spy = spied(runs, "dp_compiled", "train_dp.py", ["--compile"])
+    assert spy[0]["compiled_graphs"] > 0  # the flag took effect: torch.compile built graphs
     assert_same_model(compiled, eager, floor)
     rows = [row for row in metrics(compiled) if "loss" in row]
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
@@ -112,18 +125,18 @@ def test_compiled_run_trains_the_same_model_and_its_checkpoints_load_into_a_plai
     shutil.copytree(compiled, out)
     for later in ("checkpoint.pt", "checkpoint-00000008.pt", "model.pt"):
         (out / later).unlink()
-    run_script("train_dp.py", ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), "--resume"])
+    train("train_dp.py", ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), "--resume"])
     assert_same_model(out, eager, floor)
 
 
-def test_bench_runs_every_row_and_writes_its_table(tmp_path):
-    """bench.py at toy size: one process, DDP and FSDP at world sizes 1 and 2 (gloo), the
-    ablation, and the memory each rank holds: FSDP's ranks hold half of what DDP's do."""
+def test_bench_runs_every_row_and_writes_its_table(tmp_path, capsys):
+    """bench.py at toy size, in this process (its workers are spawned): one process, DDP and
+    FSDP at world sizes 1 and 2 (gloo), the ablation, and the memory each rank holds: FSDP's
+    ranks hold half of what DDP's do."""
+    import bench
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench.py"), "--steps", "1", "--warmup", "1", "--seq-len", "32",
-                           "--batch-size", "4", "--json", str(out)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    bench.main(["--steps", "1", "--warmup", "1", "--seq-len", "32", "--batch-size", "4", "--json", str(out)])
+    printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     scaling = result["scaling"]
     assert list(scaling) == ["one process", "DDP, world size 1", "DDP, world size 2", "FSDP, world size 1",
@@ -134,49 +147,65 @@ def test_bench_runs_every_row_and_writes_its_table(tmp_path):
     assert all(abs(f / ddp[0] - 0.5) < 0.01 for f in fsdp)  # each FSDP rank half (the embedding rows pad)
     assert [row[:3] for row in result["memory_per_rank"]][-1] == ["1b", 1_177_946_112, 8]
     assert list(result["ablation"])[0] == "tutorial: float mask, fp32, loss outside"
-    assert all(row["steps_per_s"] > 0 for table in ("scaling", "ablation") for row in result[table].values())
-    assert {"ddp_world_1_vs_one_process", "fsdp_vs_ddp_at_world_size_1", "fsdp_vs_ddp_at_world_size_2"} <= \
-        result["ratios"].keys() and "Table 2" in proc.stdout
+    # every ratio printed and saved is the quotient of the two rows it names
+    speed = {name: row["steps_per_s"] for table in ("scaling", "ablation") for name, row in result[table].items()}
+    ratios = result["ratios"]
+    assert ratios["ddp_world_1_vs_one_process"] == speed["DDP, world size 1"] / speed["one process"]
+    for n in (1, 2):
+        assert ratios[f"fsdp_vs_ddp_at_world_size_{n}"] == speed[f"FSDP, world size {n}"] / speed[f"DDP, world size {n}"]
+    for name in list(result["ablation"])[1:]:
+        assert ratios[f"{name} vs tutorial"] == speed[name] / speed["tutorial: float mask, fp32, loss outside"]
+        assert f"  {name} vs tutorial" in printed
+    assert "Table 2" in printed
 
 
-# torch 2.5 (which the README promises for DP and DDP) has no torch.distributed.fsdp.fully_shard
-HIDE_FSDP = ("import sys, torch.distributed.fsdp as fsdp; del fsdp.fully_shard, fsdp.MixedPrecisionPolicy; "
-             f"sys.path.insert(0, {str(REPO)!r}); ")
+def test_bench_on_one_gpu_and_without_fsdp_still_prints_every_table(tmp_path, monkeypatch, capsys):
+    """--max-world-size 1, as on a machine with one GPU, on a torch without FSDP2 (as torch 2.5,
+    which the README promises for DP and DDP: no fully_shard): Table 1 holds the rows it could
+    measure, the ratios only those, and Tables 2-3 and bench.json still come out. (The DDP
+    worker's row is made up: the test above runs the real workers.)"""
+    import bench
+    import torch.distributed.fsdp as fsdp
+    monkeypatch.delattr(fsdp, "fully_shard")
+    spawned = []
 
+    def a_worker_in_name_only(worker, args, nprocs):
+        spawned.append((worker.__name__, args[4], nprocs))  # (the function, kind, world size)
+        args[-1].put({"steps_per_s": 2.0, "peak_mem_gb": [0.5], "state_gb": [0.25]})
 
-def test_bench_on_one_gpu_and_without_fsdp_still_prints_every_table(tmp_path):
-    """--max-world-size 1, as on a machine with one GPU, on a torch without FSDP2: Table 1
-    holds the rows it could measure, the ratios only those, and Tables 2-3 and bench.json
-    still come out."""
+    monkeypatch.setattr(bench.mp, "spawn", a_worker_in_name_only)
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-c", HIDE_FSDP + "import bench; bench.main(sys.argv[1:])",
-                           "--steps", "1", "--warmup", "1", "--seq-len", "32", "--batch-size", "4",
-                           "--max-world-size", "1", "--json", str(out)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    bench.main(["--steps", "1", "--warmup", "1", "--seq-len", "32", "--batch-size", "4", "--max-world-size", "1",
+                "--json", str(out)])
+    printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert list(result["scaling"]) == ["one process", "DDP, world size 1"]
-    assert "no FSDP rows: torch" in proc.stdout
+    assert spawned == [("distributed_worker", "DDP", 1)]  # no FSDP worker, no world of 2
+    assert "no FSDP rows: torch" in printed
     assert [key for key in result["ratios"] if "vs tutorial" not in key] == ["ddp_world_1_vs_one_process"]
-    assert all(f"Table {n}" in proc.stdout for n in (1, 2, 3)) and result["memory_per_rank"]
+    assert all(f"Table {n}" in printed for n in (1, 2, 3)) and result["memory_per_rank"]
 
 
-def test_bench_grouping_without_fsdp_is_one_line_and_exit_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", HIDE_FSDP + "import bench_grouping; bench_grouping.main()"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines() == [f"error: bench_grouping.py measures FSDP2, which needs torch 2.6 or newer "
-                                        f"(this is {torch.__version__})"]
+def test_bench_grouping_without_fsdp_is_one_line_and_exit_2(monkeypatch, capsys):
+    import bench_grouping
+    import torch.distributed.fsdp as fsdp
+    monkeypatch.delattr(fsdp, "fully_shard")
+    monkeypatch.setattr("sys.argv", ["bench_grouping.py"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_grouping.main()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: bench_grouping.py measures FSDP2, which needs torch 2.6 or newer (this is {torch.__version__})"]
 
 
-def _ddp_options_worker(rank, port, results):
+def _ddp_options_worker(rank, store_path, results):
     import os
     import torch.distributed as dist
     from launcher import DDP_OPTIONS
     from torch.nn.parallel import DistributedDataParallel as DDP
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # a FileStore: no port to pick and lose before it is bound (gloo binds its own)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     try:
         torch.manual_seed(0)
         config = LlamaConfig(vocab_size=97, max_position_embeddings=64, hidden_size=64, intermediate_size=128,
@@ -189,24 +218,27 @@ def _ddp_options_worker(rank, port, results):
         results.put((rank, cos[1, 0].item(), all(p.grad._base is not None for p in model.parameters())))
     except BaseException as e:  # reported, so that the test fails instead of waiting for a result
         results.put((rank, repr(e), False))
+    results.close()
+    results.join_thread()  # the result is in the pipe before os._exit, which would drop it
     # Leave without tearing DDP and gloo down: freeing the reducer right after its last
     # all-reduce can deadlock in gloo's destructor (its worker thread waits for the GIL that
     # the joining main thread holds; seen once in CI, torch 2.13).
     os._exit(0)
 
 
-def test_ddp_keeps_gradients_in_its_buckets_and_sends_no_buffers_each_step():
+def test_ddp_keeps_gradients_in_its_buckets_and_sends_no_buffers_each_step(tmp_path):
     """launcher.DDP_OPTIONS, as train_ddp.py builds DDP, on 2 gloo ranks: gradients are views into the all-reduce
     buckets (no copy in and out), and a forward broadcasts no buffers: rank 1's own RoPE table
     survives it (with DDP's default, rank 0's would overwrite it before every forward)."""
-    import socket
     import torch.multiprocessing as mp
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_ddp_options_worker, args=(port, results), nprocs=2)
-    got = dict((rank, (cos, views)) for rank, cos, views in (results.get(), results.get()))
+    spawn = mp.get_context("spawn")
+    results = spawn.Queue()
+    workers = mp.start_processes(_ddp_options_worker, args=(str(tmp_path / "store"), results), nprocs=2, join=False,
+                                 start_method="spawn")
+    got = dict((rank, (cos, views)) for rank, cos, views in (results.get(timeout=120), results.get(timeout=120)))
+    deadline = time.monotonic() + 60
+    while not workers.join(timeout=1):  # True once both exited; raises if one failed
+        assert time.monotonic() < deadline, "a worker did not exit"
     untouched = LlamaForPretraining(LlamaConfig(vocab_size=97, max_position_embeddings=64, hidden_size=64,
                                                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                                                 num_key_value_heads=2)).base_model.rotary_emb.cos[1, 0].item()

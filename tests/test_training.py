@@ -9,9 +9,9 @@ import torch
 import data
 import checkpointing
 import training
-from conftest import (BF16, FAST, FAST_WITH_TOKENIZER, FLOOR_MULTIPLE, FP32_LIKE_BF16, REPO, assert_follows_in_bf16,
-                      assert_same_model, assert_same_weights, ddp_two_ranks, load_weights, max_weight_diff, metrics,
-                      run_script)
+from conftest import (FAST, FAST_WITH_TOKENIZER, FLOOR_MULTIPLE, assert_same_model, assert_same_weights, ddp_two_ranks,
+                      load_weights, max_weight_diff, metrics, run_in_process, run_script, spied, stopped_at_step_4,
+                      train)
 from model import IGNORE_INDEX, LlamaForPretraining
 
 # DDP at 2 ranks adds gradients up in another order than one process does, so weights agree
@@ -49,8 +49,7 @@ def test_grad_accumulation_trains_the_same_model(runs, floor):
 def test_the_bound_from_the_rounding_floor_catches_a_dropped_micro_batch(runs, floor):
     """One of the bugs the bound was calibrated against (conftest.FLOOR_MULTIPLE): one
     micro-batch of 16 never trains. The bound must see it, by orders of magnitude."""
-    dropped = runs("dp_accum2_one_dropped", "train_dp.py", ["--grad-accum", "2"], wrapper="tests/perturb.py",
-                   env={"PERTURB": "drop-micro-batch"})
+    dropped = runs("dp_accum2_one_dropped", "train_dp.py", ["--grad-accum", "2"], perturb="drop-micro-batch")
     distance = max_weight_diff(load_weights(dropped), load_weights(runs("dp", "train_dp.py")))
     assert distance > 10 * FLOOR_MULTIPLE * floor.weights
     with pytest.raises(AssertionError):
@@ -93,30 +92,30 @@ def test_output_folder_holds_what_the_readme_promises(runs):
     state = torch.load(out / "model.pt", map_location="cpu", weights_only=True)
     assert not [k for k in state if k.startswith(("module.", "_orig_mod."))]
     assert model.state_dict().keys() == state.keys()  # every weight, nothing else
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    # the final weights: what the step-8 checkpoint holds, written by another code path
+    step8 = torch.load(out / "checkpoint-00000008.pt", map_location="cpu", weights_only=True)["model"]
+    assert all(torch.equal(model.state_dict()[k], step8[k]) for k in state)
     assert isinstance(model, LlamaForPretraining) and model.config.vocab_size == 300
     # the checkpoint loads with weights_only and holds everything an exact resume needs
     ckpt = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)
     assert {"model", "optimizer", "scheduler", "step", "epoch", "step_in_epoch", "rng",
             "model_config", "train_config"} <= ckpt.keys()
     assert ckpt["step"] == 8 and ckpt["train_config"]["batch_size"] == 8
-    for key in state:
-        assert torch.equal(ckpt["model"][key], state[key])
     rows = metrics(out)
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [2, 4, 6, 8]
     assert all({"step", "epoch", "loss", "lr", "tokens_per_s"} <= r.keys() for r in train_rows)
     assert [r["step"] for r in rows if "val_loss" in r] == [4, 8]
     assert train_rows[-1]["loss"] < train_rows[0]["loss"]  # it learns
+    assert not [r for r in rows if "mfu" in r]  # no MFU against a peak a CPU does not have
     assert data.load_tokenizer(out / "tokenizer.json").get_vocab_size() == 300
 
 
-def test_resume_is_bitwise_exact_with_the_same_data_under_another_path(runs, tmp_path):
+def test_resume_is_bitwise_exact_with_the_same_data_under_another_path(runs, tmp_path, monkeypatch):
     """The data is recognized by its content (moved, renamed, given by a relative path)."""
-    import os
     import shutil
     straight = runs("dp", "train_dp.py")
-    half = runs("dp_half", "train_dp.py", ["--stop-at-step", "4"])
+    half = stopped_at_step_4(runs, tmp_path)
     assert not (half / "model.pt").exists()  # stopped early: a checkpoint, no final weights
     assert torch.load(half / "checkpoint.pt", weights_only=True, map_location="cpu")["step"] == 4
     # a run killed after logging step 6 but before its next checkpoint leaves a stale row
@@ -125,43 +124,66 @@ def test_resume_is_bitwise_exact_with_the_same_data_under_another_path(runs, tmp
     moved = tmp_path / "elsewhere" / "renamed.txt"
     moved.parent.mkdir()
     shutil.copy(runs.corpus, moved)
-    relative = os.path.relpath(moved, REPO)  # the scripts run in REPO
-    run_script("train_dp.py", ["--dataset", relative, *FAST, "--out-dir", str(half), "--resume"])
+    monkeypatch.chdir(tmp_path)
+    train("train_dp.py", ["--dataset", "elsewhere/renamed.txt", *FAST, "--out-dir", str(half), "--resume"])
     # bitwise, and metrics.jsonl continues from the checkpoint's step, with the straight run's losses
     assert_same_model(half, straight)
 
 
-def test_a_ddp_checkpoint_resumes_under_the_dataparallel_script(runs):
-    straight = runs("dp", "train_dp.py")
-    half = runs("ddp1_half", "train_ddp.py", ["--stop-at-step", "4"])
-    run_script("train_dp.py", ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(half), "--resume"])
-    assert_same_weights(half, straight)
+def test_a_ddp_checkpoint_resumes_under_the_dataparallel_script(runs, tmp_path):
+    half = stopped_at_step_4(runs, tmp_path, "train_ddp.py")
+    train("train_dp.py", ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(half), "--resume"])
+    assert_same_model(half, runs("dp", "train_dp.py"))
 
 
-def test_a_dataparallel_checkpoint_resumes_under_ddp_on_two_ranks(runs, floor):
-    straight = runs("dp", "train_dp.py")
-    half = runs("dp_half_for_ddp", "train_dp.py", ["--stop-at-step", "4"])
+def test_a_dataparallel_checkpoint_resumes_under_ddp_on_two_ranks(runs, tmp_path, floor):
+    half = stopped_at_step_4(runs, tmp_path)
     run_script("train_ddp.py", ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(half), "--resume"],
                nproc=2)
-    assert_same_model(half, straight, floor)  # another world size from step 4 on
+    assert_same_model(half, runs("dp", "train_dp.py"), floor)  # another world size from step 4 on
 
 
 def test_a_saved_tokenizer_reproduces_the_run(runs, tmp_path):
     first = runs("dp", "train_dp.py")
-    run_script("train_dp.py", ["--dataset", str(runs.corpus), *FAST_WITH_TOKENIZER, "--tokenizer", str(first / "tokenizer.json"),
-                               "--out-dir", str(tmp_path / "again")])
+    train("train_dp.py", ["--dataset", str(runs.corpus), *FAST_WITH_TOKENIZER, "--tokenizer",
+                          str(first / "tokenizer.json"), "--out-dir", str(tmp_path / "again")])
     assert_same_weights(tmp_path / "again", first)
 
 
-def test_resume_across_an_epoch_boundary_is_bitwise_exact(runs):
-    """232 training documents in global batches of 32: 7 steps per epoch. Stopped at step 4
+def test_resume_across_an_epoch_boundary_is_bitwise_exact(runs, tmp_path):
+    """231 training documents in global batches of 32: 7 steps per epoch. Stopped at step 4
     and resumed, the run reshuffles for epoch 1 at step 7 exactly as a straight run does."""
     epochs = ["--batch-size", "32", "--max-steps", "10", "--log-every", "1"]
     straight = runs("dp_two_epochs", "train_dp.py", epochs)
     assert [row["epoch"] for row in metrics(straight) if "loss" in row] == [0] * 7 + [1] * 3
-    half = runs("dp_two_epochs_half", "train_dp.py", [*epochs, "--stop-at-step", "4"])
-    run_script("train_dp.py", ["--dataset", str(runs.corpus), *FAST, *epochs, "--out-dir", str(half), "--resume"])
+    assert "| 7 steps per epoch | 10 steps |" in runs.output["dp_two_epochs"]
+    half = runs.copy(runs("dp_two_epochs_half", "train_dp.py", [*epochs, "--stop-at-step", "4"]), tmp_path / "half")
+    train("train_dp.py", ["--dataset", str(runs.corpus), *FAST, *epochs, "--out-dir", str(half), "--resume"])
     assert_same_model(half, straight)
+
+
+def test_ddp_all_reduces_gradients_only_on_the_last_micro_step(runs, tmp_path, monkeypatch):
+    """no_sync: with --grad-accum 4 each bucket of gradients is all-reduced once per optimizer
+    step, not once per micro-step (the weights would be the same either way, so the
+    all-reduces are counted: a comm hook on train_ddp.py's DDP, in a world of one)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+    reduced = []
+    real_init = DistributedDataParallel.__init__
+
+    def init_and_count(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+
+        def counting_allreduce(state, bucket):
+            reduced.append(bucket.buffer().numel())  # DDP regroups its buckets after the first step
+            return default_hooks.allreduce_hook(None, bucket)
+        self.register_comm_hook(None, counting_allreduce)
+
+    monkeypatch.setattr(DistributedDataParallel, "__init__", init_and_count)
+    run_in_process("train_ddp.py", ["--dataset", str(runs.corpus), *FAST, "--grad-accum", "4", "--max-steps", "3",
+                                    "--out-dir", str(tmp_path / "run")])
+    n_params = sum(p.numel() for p in checkpointing.load_trained(tmp_path / "run")[0].parameters())
+    assert sum(reduced) == 3 * n_params  # every gradient once in each of 3 steps, not 4 times
 
 
 def test_the_learning_rate_warms_up_linearly_then_decays_to_zero_on_a_cosine():
@@ -197,8 +219,6 @@ def test_weight_decay_applies_to_matrices_and_embeddings_not_to_norm_gains(corpu
 def test_gradient_clipping_clips_the_global_norm(corpus, tmp_path, monkeypatch):
     """train_dp.py in this process: the norm of the gradients the optimizer steps with never
     exceeds --grad-clip, though it would without clipping; --grad-clip 0 turns it off."""
-    import train_dp
-
     def grad_norms(clip):
         before, after = [], []
         real_clip, real_step = torch.nn.utils.clip_grad_norm_, torch.optim.AdamW.step
@@ -216,9 +236,8 @@ def test_gradient_clipping_clips_the_global_norm(corpus, tmp_path, monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(torch.nn.utils, "clip_grad_norm_", clip_and_record)
             m.setattr(torch.optim.AdamW, "step", step_and_record)
-            m.setattr("sys.argv", ["train_dp.py", "--dataset", str(corpus), *FAST, "--grad-clip", str(clip),
-                                   "--out-dir", str(tmp_path / f"clip{clip}")])
-            train_dp.main()
+            run_in_process("train_dp.py", ["--dataset", str(corpus), *FAST, "--grad-clip", str(clip),
+                                           "--out-dir", str(tmp_path / f"clip{clip}")])
         return before, after
 
     before, after = grad_norms(0.1)
@@ -229,13 +248,15 @@ def test_gradient_clipping_clips_the_global_norm(corpus, tmp_path, monkeypatch):
 
 
 @pytest.mark.compile
-def test_bf16_and_compile_under_ddp_on_two_ranks(runs, bf16_floor):
-    """The fast paths under DDP: each rank compiles its model before DDP wraps it and computes
-    in bf16; the run learns, follows the fp32 run, and writes plain fp32 weights."""
-    fast = runs("ddp2_bf16_compiled", "train_ddp.py", [*BF16, "--compile"], nproc=2)
-    # the fp32 reference is one process: another world size is rounding far below bf16's
-    assert_follows_in_bf16(fast, runs("dp_short", "train_dp.py", FP32_LIKE_BF16), bf16_floor)
-    state = load_weights(fast)
+def test_compile_under_ddp_on_two_ranks_trains_the_same_model(runs, floor):
+    """Each rank compiles its model before DDP wraps it (DDP then splits the graph at its
+    buckets): graphs are built on both ranks, the model is the eager one to rounding, and
+    model.pt holds plain fp32 weights."""
+    compiled, spy = spied(runs, "ddp2_compiled", "train_ddp.py", ["--compile"], nproc=2)
+    assert len(spy) == 2 and all(rank["compiled_graphs"] > 0 for rank in spy)  # the flag took effect
+    assert_same_model(compiled, ddp_two_ranks(runs), floor)
+    state = load_weights(compiled)
     assert all(w.dtype == torch.float32 for w in state.values())
-    model, _ = checkpointing.load_trained(fast)  # plain keys: loads strictly into a plain model
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    model, _ = checkpointing.load_trained(compiled)  # plain keys: loads strictly into a plain model
+    last = torch.load(compiled / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]  # step 8's
+    assert all(torch.equal(model.state_dict()[k], last[k]) for k in state)

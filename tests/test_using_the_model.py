@@ -5,8 +5,8 @@ ends every run."""
 import json
 import re
 import shutil
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +16,8 @@ import export_hf
 import generate
 import plot_metrics
 import training
-from conftest import FAST, REPO, run_script
-from data import BOT, EOT, PAD
+from conftest import REPO, isolated
+from data import BOT, EOT, PAD, text_only
 from errors import UsageError
 from model import LlamaConfig, LlamaForPretraining
 
@@ -77,33 +77,52 @@ def test_generation_ends_at_the_stop_token_which_is_not_returned(small_model):
     assert generate.generate(small_model, prompt, 10, stop_id=stop) == expected[:expected.index(stop)]
 
 
-def test_generate_script_samples_text_without_special_tokens(trained):
-    args = [str(trained), "--prompt", "the model", "--max-new-tokens", "24"]
-    greedy = run_script("generate.py", [*args, "--temperature", "0"])
-    assert greedy.stdout.startswith("the model") and len(greedy.stdout) > len("the model\n")
-    assert not any(token in greedy.stdout for token in (PAD, BOT, EOT))
-    assert run_script("generate.py", [*args, "--temperature", "0"]).stdout == greedy.stdout
-    sampled = run_script("generate.py", [*args, "--seed", "5"])
-    assert run_script("generate.py", [*args, "--seed", "5"]).stdout == sampled.stdout
+def script_in_process(script, args) -> int:
+    """`python SCRIPT ARGS` in this process, through the script's own `if __name__ == "__main__"`
+    lines (runpy): the whole path a user's command takes, without starting a Python. Returns
+    its exit status; what it prints is left to capsys."""
+    import runpy
+    with isolated([script, *args]):
+        try:
+            runpy.run_path(str(REPO / script), run_name="__main__")
+        except SystemExit as e:
+            return e.code
+    return 0
 
 
-def test_generate_script_equals_the_generate_function(trained):
+def expected_text(model, tokenizer, prompt_text, n):
+    """What greedy sampling must print: the prompt, then the argmax of the model's logits at each
+    step (a full forward each time, no KV cache), up to [EOT], without special tokens."""
+    prompt = [tokenizer.token_to_id(BOT)] + tokenizer.encode(prompt_text, add_special_tokens=False).ids
+    new = greedy_without_cache(model, prompt, n)
+    eot = tokenizer.token_to_id(EOT)
+    new = new[:new.index(eot)] if eot in new else new
+    return tokenizer.decode(prompt + new, skip_special_tokens=True) + "\n"
+
+
+def test_generate_script_prints_the_greedy_continuation_and_repeats_a_seeded_sample(trained, capsys):
     model, tokenizer = checkpointing.load_trained(trained)
-    prompt = [tokenizer.token_to_id(BOT)] + tokenizer.encode("gradients flow", add_special_tokens=False).ids
-    new = generate.generate(model, prompt, 16, temperature=0, stop_id=tokenizer.token_to_id(EOT))
-    proc = run_script("generate.py", [str(trained), "--prompt", "gradients flow", "--max-new-tokens", "16",
-                                      "--temperature", "0"])
-    assert proc.stdout == tokenizer.decode(prompt + new, skip_special_tokens=True) + "\n"
+    args = [str(trained), "--prompt", "the model", "--max-new-tokens", "24"]
+    assert script_in_process("generate.py", [*args, "--temperature", "0"]) == 0
+    greedy = capsys.readouterr().out
+    assert greedy == expected_text(model, tokenizer, "the model", 24)
+    assert len(greedy) > len("the model\n") and not any(token in greedy for token in (PAD, BOT, EOT))
+    generate.main([*args, "--seed", "5"])
+    sampled = capsys.readouterr().out
+    generate.main([*args, "--seed", "5"])
+    assert capsys.readouterr().out == sampled != greedy
 
 
-def test_an_unfinished_run_samples_from_its_newest_checkpoint_and_says_so(trained, tmp_path):
+def test_an_unfinished_run_samples_from_its_newest_checkpoint_and_says_so(trained, tmp_path, capsys):
     out = tmp_path / "unfinished"
     shutil.copytree(trained, out)
     (out / "model.pt").unlink()
-    proc = run_script("generate.py", [str(out), "--max-new-tokens", "4"])
-    assert proc.stderr.strip() == (f"warning: no model.pt in {out} (the run has not finished): "
+    generate.main([str(out), "--max-new-tokens", "4", "--temperature", "0", "--prompt", "the"])
+    printed = capsys.readouterr()
+    assert printed.err.strip() == (f"warning: no model.pt in {out} (the run has not finished): "
                                    "using checkpoint.pt, step 8")
-    assert proc.stdout.strip()
+    model, tokenizer = checkpointing.load_trained(trained)  # step 8's weights are the final ones
+    assert printed.out == expected_text(model, tokenizer, "the", 4)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -140,12 +159,12 @@ def test_a_prompt_that_spells_out_a_special_token_is_text(trained, capsys):
     assert capsys.readouterr().out.startswith("a [EOT] b [BOT]")
 
 
-def test_bad_input_to_the_tools_is_one_line_on_stderr(tmp_path):
+def test_bad_input_to_the_tools_is_one_line_on_stderr(tmp_path, capsys):
     for script, args in [("generate.py", [str(tmp_path)]), ("export_hf.py", [str(tmp_path), str(tmp_path / "hf")]),
                          ("plot_metrics.py", [str(tmp_path), "-o", str(tmp_path / "p.png")])]:
-        proc = run_script(script, args, check=False)
-        assert proc.returncode == 2 and proc.stdout == "", script
-        assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("error: "), proc.stderr
+        assert script_in_process(script, args) == 2, script
+        printed = capsys.readouterr()
+        assert printed.out == "" and len(printed.err.splitlines()) == 1 and printed.err.startswith("error: "), printed
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
@@ -202,6 +221,11 @@ def test_transformers_loads_the_export_with_our_logits_tokens_and_greedy_text(tr
     text = "the model reads tokens"
     prompt = hf_tokenizer(text)["input_ids"]
     assert prompt == [tokenizer.token_to_id(BOT)] + tokenizer.encode(text, add_special_tokens=False).ids
+    # and "[EOT]" written in a text is text, as in training (split_special_tokens), not the token
+    spelled = "a [EOT] b"
+    assert hf_tokenizer(spelled)["input_ids"] == [tokenizer.token_to_id(BOT)] + text_only(tokenizer).encode(
+        spelled, add_special_tokens=False).ids
+    assert tokenizer.token_to_id(EOT) not in hf_tokenizer(spelled)["input_ids"]
     # greedy generation in transformers (stopping at [EOT] from generation_config.json) = ours
     new = generate.generate(ours, prompt, 20, temperature=0, stop_id=tokenizer.token_to_id(EOT))
     with torch.no_grad():
@@ -213,12 +237,26 @@ def test_transformers_loads_the_export_with_our_logits_tokens_and_greedy_text(tr
 
 # ---- loss plots -----------------------------------------------------------------------------
 
-def test_plot_overlays_several_runs_into_one_png(trained, runs, tmp_path):
+def test_plot_overlays_several_runs_into_one_png(trained, runs, tmp_path, monkeypatch):
+    """Every run's train and val losses, each as logged, on one figure (seen before it closes)."""
     pytest.importorskip("matplotlib")  # optional for users; in requirements-dev.txt: CI runs this
+    import matplotlib.pyplot as plt
+    figures, real_close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (figures.append(fig), real_close(fig)))
     other = runs("dp_accum2", "train_dp.py", ["--grad-accum", "2"])
     png = tmp_path / "curves.png"
     plot_metrics.main([str(trained), str(other), "-o", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    [figure] = [f for f in figures if isinstance(f, plt.Figure)]
+    [loss_axes, _] = figure.axes
+    drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in loss_axes.get_lines()}
+    expected = {}
+    for run in (trained, other):
+        rows = plot_metrics.read_metrics(run)
+        expected[f"{run.name} train"] = plot_metrics.series(rows, "loss")
+        expected[f"{run.name} val"] = plot_metrics.series(rows, "val_loss")
+    assert drawn == {label: (list(x), list(y)) for label, (x, y) in expected.items()}
+    assert drawn["dp train"][1] != drawn["dp_accum2 train"][1]  # two runs, not one drawn twice
 
 
 def test_plot_draws_every_logged_point(trained):
@@ -243,25 +281,23 @@ def test_plot_names_the_file_it_writes_and_refuses_what_it_cannot(trained, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "no_step"]
 
 
-def test_plot_without_matplotlib_says_how_to_get_it(trained, tmp_path):
-    code = ("import sys, runpy; sys.modules['matplotlib'] = None; "  # as if it were not installed
-            f"sys.argv = ['plot_metrics.py', {str(trained)!r}, '-o', {str(tmp_path / 'p.png')!r}]; "
-            "runpy.run_path('plot_metrics.py', run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 2 and proc.stderr == "error: plot_metrics.py needs matplotlib: pip install matplotlib\n"
+def test_plot_without_matplotlib_says_how_to_get_it(trained, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    assert script_in_process("plot_metrics.py", [str(trained), "-o", str(tmp_path / "p.png")]) == 2
+    assert capsys.readouterr().err == "error: plot_metrics.py needs matplotlib: pip install matplotlib\n"
     assert not (tmp_path / "p.png").exists()
 
 
 # ---- the summary at the end of a run --------------------------------------------------------
 
-def test_a_finished_run_ends_with_a_summary_of_steps_tokens_losses_and_files(corpus, tmp_path):
-    out = tmp_path / "run"
-    proc = run_script("train_dp.py", ["--dataset", str(corpus), *FAST, "--out-dir", str(out)])
-    summary = proc.stdout[proc.stdout.index("done after step 8 of 8"):].splitlines()
+def test_a_finished_run_ends_with_a_summary_of_steps_tokens_losses_and_files(runs):
+    out = runs("dp", "train_dp.py")
+    printed = runs.output["dp"]
+    summary = printed[printed.index("done after step 8 of 8"):].splitlines()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     loss, val_loss = rows[-2]["loss"], rows[-1]["val_loss"]  # step 8: train row, then eval row
-    assert summary[0].startswith("done after step 8 of 8: 2,048 tokens in 0:00:")  # 8 steps x 8 x 32
-    assert summary[0].endswith(f" | train loss {loss:.4f} | val loss {val_loss:.4f}")
+    assert re.fullmatch(rf"done after step 8 of 8: 2,048 tokens in \d+:\d\d:\d\d \| train loss {loss:.4f} "
+                        rf"\| val loss {val_loss:.4f}", summary[0]), summary[0]  # 8 steps x 8 x 32 tokens
     assert summary[1] == f"weights in {out}/model.pt, with tokenizer.json, config.json and metrics.jsonl beside them"
     assert summary[2:] == [f"  sample:   python generate.py {out} --prompt 'The '",
                            f"  export:   python export_hf.py {out} {out}-hf",
@@ -271,7 +307,7 @@ def test_a_finished_run_ends_with_a_summary_of_steps_tokens_losses_and_files(cor
 def test_the_summary_counts_only_the_steps_of_this_session():
     cfg = training.TrainConfig(out_dir="out", batch_size=64, seq_len=512)
     text = training.summary(cfg, step=3000, total_steps=10000, first_step=1000, seconds=3725.4,
-                            loss=3.25, val_loss=None, preempted=True)
+                            loss=3.25, val_loss=None, preempted=True, checkpoint=Path("out/checkpoint.pt"))
     assert text.splitlines() == [
         "stopped by a signal after step 3000 of 10000: 65,536,000 tokens in 1:02:05 | train loss 3.2500",
         "checkpoint saved in out/checkpoint.pt; continue with --resume"]
@@ -281,7 +317,7 @@ def test_the_summary_quotes_paths_so_its_commands_paste_into_a_shell():
     import shlex
     cfg = training.TrainConfig(out_dir="my runs/ü 1", batch_size=8, seq_len=32, dataset="c.txt")
     lines = training.summary(cfg, step=8, total_steps=8, first_step=0, seconds=3.0, loss=1.0, val_loss=1.0,
-                             preempted=False).splitlines()
+                             preempted=False, checkpoint=Path("my runs/ü 1/checkpoint.pt")).splitlines()
     assert shlex.split(lines[2].split(":", 1)[1]) == ["python", "generate.py", "my runs/ü 1", "--prompt", "The "]
     assert shlex.split(lines[3].split(":", 1)[1]) == ["python", "export_hf.py", "my runs/ü 1", "my runs/ü 1-hf"]
     assert shlex.split(lines[4].split(":", 1)[1]) == ["python", "plot_metrics.py", "my runs/ü 1", "-o",

@@ -1,0 +1,47 @@
+"""Record what a training run's arithmetic really was, so that a test can tell a flag took
+effect and was not silently ignored (every loss would still fall):
+    matmul_dtypes    the dtypes the Linear layers' outputs came out in, seen by a forward hook
+                     on every module (left out under --compile, whose graphs would trace it)
+    compiled_graphs  how many graphs torch.compile built (torch._dynamo's own count)
+written to SPY_DIR/rank<RANK>.json when the run ends. `recording(spy_dir)` does it for a run
+in this process; as a script, it runs a training script (argv[1:]) with $SPY_DIR."""
+
+import contextlib
+import json
+import os
+import runpy
+import sys
+
+import torch
+
+
+def _graphs_built() -> int:
+    if "torch._dynamo" not in sys.modules:  # imported by torch.compile; a run that never compiled has none
+        return 0
+    return sys.modules["torch._dynamo"].utils.counters["stats"]["unique_graphs"]
+
+
+@contextlib.contextmanager
+def recording(spy_dir, compiled: bool = False):
+    dtypes = set()
+
+    def record_dtype(module, args, output):
+        if isinstance(module, torch.nn.Linear):
+            dtypes.add(str(output.dtype).removeprefix("torch."))
+
+    graphs_before = _graphs_built()
+    hook = None if compiled else torch.nn.modules.module.register_module_forward_hook(record_dtype)
+    try:
+        yield
+    finally:
+        if hook is not None:
+            hook.remove()
+        with open(os.path.join(spy_dir, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+            json.dump({"matmul_dtypes": sorted(dtypes), "compiled_graphs": _graphs_built() - graphs_before}, f)
+
+
+if __name__ == "__main__":
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+    with recording(os.environ["SPY_DIR"], compiled="--compile" in sys.argv):
+        runpy.run_path(sys.argv[0], run_name="__main__")
