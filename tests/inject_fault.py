@@ -20,7 +20,8 @@ first attempt only: after torchrun restarts the workers, the run goes on unharme
                       sharded checkpoint saved before it is still being written: its write
                       waits until the divergence has been raised
     none              no fault: the run as it is, only recorded
-Each process records how it ended in $FAULT_LOG_DIR/exit-rank<RANK>.txt.
+Each process records how it ended in $FAULT_LOG_DIR/exit-rank<RANK>.txt. Whatever the fault
+patched is restored when the script ends, so that a test can run this in its own process.
 """
 
 import os
@@ -39,6 +40,12 @@ armed = ((rank == os.environ.get("FAULT_RANK", "0") or "diverge-mid-save" in fau
 reached = threading.Event()
 steps = 0
 real_clip = torch.nn.utils.clip_grad_norm_
+patched = []  # (object, name, original): put back at the end
+
+
+def patch(obj, name, value):
+    patched.append((obj, name, obj.__dict__.get(name, patch)))  # patch: "had no attribute of its own"
+    setattr(obj, name, value)
 
 
 def strike():
@@ -65,7 +72,7 @@ def clip_and_count(*args, **kwargs):
     return real_clip(*args, **kwargs)
 
 
-torch.nn.utils.clip_grad_norm_ = clip_and_count
+patch(torch.nn.utils, "clip_grad_norm_", clip_and_count)
 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))
 if "slow-disk" in faults and armed:
     import checkpointing
@@ -77,8 +84,8 @@ if "slow-disk" in faults and armed:
             return write(*args, **kwargs)
         return slow_write
 
-    checkpointing.save_checkpoint = slow(checkpointing.save_checkpoint)
-    FileSystemWriter.write_data = slow(FileSystemWriter.write_data)  # train_fsdp.py's shards
+    patch(checkpointing, "save_checkpoint", slow(checkpointing.save_checkpoint))
+    patch(FileSystemWriter, "write_data", slow(FileSystemWriter.write_data))  # train_fsdp.py's shards
 
 if "slow-prepare" in faults and armed:
     import time
@@ -91,7 +98,7 @@ if "slow-prepare" in faults and armed:
         time.sleep(float(os.environ["FAULT_SECONDS"]))  # the work itself is slow, nothing waits on it
         return real_load_text(*args, **kwargs)
 
-    training.load_text = slow_load_text
+    patch(training, "load_text", slow_load_text)
 
 if "diverge-mid-save" in faults and armed:
     from torch.distributed.checkpoint import FileSystemWriter
@@ -111,8 +118,8 @@ if "diverge-mid-save" in faults and armed:
         diverged.wait()
         return real_write_data(self, *args, **kwargs)
 
-    training.stop_if_diverged = nan_at_step
-    FileSystemWriter.write_data = write_after_divergence
+    patch(training, "stop_if_diverged", nan_at_step)
+    patch(FileSystemWriter, "write_data", write_after_divergence)
 
 if "small-disk" in faults and armed:
     import errno
@@ -140,8 +147,8 @@ if "small-disk" in faults and armed:
             return shutil._ntuple_diskusage(capacity, used(), capacity - used())
         return real_disk_usage(path)
 
-    checkpointing.open = lambda path, mode: SmallDiskFile(path, mode.replace("b", ""))  # atomic_save's writes
-    shutil.disk_usage = small_disk_usage
+    patch(checkpointing, "open", lambda path, mode: SmallDiskFile(path, mode.replace("b", "")))  # atomic_save's
+    patch(shutil, "disk_usage", small_disk_usage)
 
 status = "exception"
 try:
@@ -152,5 +159,10 @@ except SystemExit as e:
     status = str(e.code if e.code is not None else 0)
     raise
 finally:
+    for obj, name, original in reversed(patched):
+        if original is patch:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, original)
     with open(os.path.join(os.environ["FAULT_LOG_DIR"], f"exit-rank{rank}.txt"), "w") as f:
         f.write(status)

@@ -14,7 +14,7 @@ import torch
 import checkpointing
 from errors import UsageError
 from conftest import (FAST, REPO, ddp_two_ranks, launch_env, load_weights, max_weight_diff, metrics, run_script,
-                      stopped_at_step_4, train, without_speed)
+                      script_in_process, stopped_at_step_4, train, without_speed)
 
 
 def fault_env(tmp_path, fault, step, rank=0):
@@ -26,6 +26,16 @@ def fault_env(tmp_path, fault, step, rank=0):
 def exit_codes(tmp_path):
     """How each rank's process ended, as recorded by tests/inject_fault.py."""
     return {p.stem: p.read_text() for p in sorted((tmp_path / "fault-logs").glob("exit-rank*.txt"))}
+
+
+def fault_in_this_process(script, args, env, monkeypatch, capsys):
+    """tests/inject_fault.py around a one-process script, run in this process (its patches and
+    the script's signal handlers are undone afterwards): (exit status, stdout, stderr)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    status = script_in_process("tests/inject_fault.py", [str(REPO / script), *args])
+    printed = capsys.readouterr()
+    return status, printed.out, printed.err
 
 
 def checkpoint_step(out):
@@ -77,29 +87,30 @@ def test_preempted_ddp_ranks_agree_on_a_step_save_and_exit_0_even_with_a_save_ha
 
 
 @pytest.mark.parametrize("signal_name", ["sigusr1", "sigint"])
-def test_sigusr1_or_ctrl_c_stops_the_dataparallel_script_which_resumes_exactly(runs, tmp_path, signal_name):
+def test_sigusr1_or_ctrl_c_stops_the_dataparallel_script_which_resumes_exactly(runs, tmp_path, signal_name,
+                                                                                monkeypatch, capsys):
     reference = runs("dp", "train_dp.py")
     out = tmp_path / "run"
-    proc = run_script("train_dp.py", train_args(runs, out), wrapper="tests/inject_fault.py",
-                      env=fault_env(tmp_path, signal_name, step=3))
-    assert proc.returncode == 0 and "stopped by a signal after step 3 of 8" in proc.stdout
-    assert "Traceback" not in proc.stderr
+    status, stdout, stderr = fault_in_this_process("train_dp.py", train_args(runs, out),
+                                                   fault_env(tmp_path, signal_name, step=3), monkeypatch, capsys)
+    assert status == 0 and "stopped by a signal after step 3 of 8" in stdout
+    assert "Traceback" not in stderr
     assert checkpoint_step(out) == 3
     if signal_name == "sigusr1":  # the same stop either way: one resume shows it is exact
         train("train_dp.py", train_args(runs, out, "--resume"))
         assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
 
 
-def test_a_second_ctrl_c_stops_at_once_without_a_traceback(runs, tmp_path):
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(runs, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
-    proc = run_script("train_dp.py", train_args(runs, out), wrapper="tests/inject_fault.py",
-                      env=fault_env(tmp_path, "sigint-twice", step=3), check=False)
-    assert proc.returncode == 130 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == "interrupted"
+    status, _, stderr = fault_in_this_process("train_dp.py", train_args(runs, out),
+                                              fault_env(tmp_path, "sigint-twice", step=3), monkeypatch, capsys)
+    assert status == 130 and "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == "interrupted"
     assert not list(out.glob("checkpoint*.pt"))  # at once: no save at step 3
 
 
-def test_a_full_disk_is_one_line_leaves_no_temp_file_and_the_run_resumes(runs, tmp_path):
+def test_a_full_disk_is_one_line_leaves_no_temp_file_and_the_run_resumes(runs, tmp_path, monkeypatch, capsys):
     """The disk has room for one checkpoint, not two: the save at step 8 fails. One line names
     the file, the disk and the space; checkpoint.pt still holds step 4; no temp file is left.
     With space again, --resume clears stale temp files and ends where a straight run ends."""
@@ -107,9 +118,9 @@ def test_a_full_disk_is_one_line_leaves_no_temp_file_and_the_run_resumes(runs, t
     out = tmp_path / "run"
     one_checkpoint = (reference / "checkpoint.pt").stat().st_size
     env = {**fault_env(tmp_path, "small-disk", step=0), "FAULT_BYTES": str(int(1.5 * one_checkpoint))}
-    proc = run_script("train_dp.py", train_args(runs, out), wrapper="tests/inject_fault.py", env=env, check=False)
-    ours = [line for line in proc.stderr.splitlines() if "Traceback" in line or line.startswith("error: ")]
-    assert proc.returncode == 2 and len(ours) == 1, proc.stderr
+    status, _, stderr = fault_in_this_process("train_dp.py", train_args(runs, out), env, monkeypatch, capsys)
+    ours = [line for line in stderr.splitlines() if "Traceback" in line or line.startswith("error: ")]
+    assert status == 2 and len(ours) == 1, stderr
     assert ours[0].startswith(f"error: no space left to write {out}/checkpoint-00000008.pt (on the disk mounted "
                               "at /") and " MB are free. Free some space, then run again" in ours[0]
     assert checkpoint_step(out) == 4 and not list(out.glob("*.tmp"))
@@ -402,16 +413,17 @@ class RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_a_checkpoint_crafted_to_run_code_is_refused_and_runs_nothing(runs, tmp_path):
+def test_a_checkpoint_crafted_to_run_code_is_refused_and_runs_nothing(runs, tmp_path, capsys):
     out, marker = tmp_path / "run", tmp_path / "code-ran"
     shutil.copytree(runs("dp", "train_dp.py"), out)
     for ckpt in out.glob("checkpoint*.pt"):
         ckpt.unlink()
     torch.save({"model": RunsCode(marker), "step": 4}, out / "checkpoint.pt")
     torch.save(RunsCode(marker), out / "model.pt")
-    proc = run_script("train_dp.py", train_args(runs, out, "--resume"), check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.startswith(f"error: cannot load checkpoint {out}/checkpoint.pt: Weights only load failed")
+    capsys.readouterr()
+    assert script_in_process("train_dp.py", train_args(runs, out, "--resume")) == 2
+    assert capsys.readouterr().err.startswith(f"error: cannot load checkpoint {out}/checkpoint.pt: Weights only load "
+                                              "failed")
     with pytest.raises(Exception, match="Weights only load failed"):
         checkpointing.load_trained(out)
     assert not marker.exists()
@@ -420,19 +432,24 @@ def test_a_checkpoint_crafted_to_run_code_is_refused_and_runs_nothing(runs, tmp_
 
 
 @pytest.mark.parametrize("script, nproc", [("train_dp.py", 0), ("train_ddp.py", 2)])
-def test_a_diverging_run_stops_with_one_line_and_saves_nothing_non_finite(runs, tmp_path, script, nproc):
+def test_a_diverging_run_stops_with_one_line_and_saves_nothing_non_finite(runs, tmp_path, script, nproc, capsys):
     """--lr 100 blows up within a few steps. The run stops at the first non-finite loss or
     weights, names the step, exits non-zero, and leaves only finite checkpoints and valid JSON."""
     import json
     import math
     out = tmp_path / "run"
     args = train_args(runs, out, "--lr", "100", "--warmup-steps", "0", "--max-steps", "20", "--save-every", "1")
-    proc = run_script(script, args, nproc=nproc, check=False, wrapper="tests/inject_fault.py",
-                      env=fault_env(tmp_path, "none", step=0))
-    ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(ours) == 1, proc.stderr
-    assert exit_codes(tmp_path) == ({"exit-rank0": "2", "exit-rank1": "2"} if nproc else {"exit-rank0": "2"})
-    assert proc.returncode == (1 if nproc else 2)  # torchrun's status when a worker failed; ours
+    if nproc:
+        proc = run_script(script, args, nproc=nproc, check=False, wrapper="tests/inject_fault.py",
+                          env=fault_env(tmp_path, "none", step=0))
+        stderr = proc.stderr
+        assert exit_codes(tmp_path) == {"exit-rank0": "2", "exit-rank1": "2"}
+        assert proc.returncode == 1  # torchrun's status when a worker failed
+    else:
+        assert script_in_process(script, args) == 2
+        stderr = capsys.readouterr().err
+    ours = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1, stderr
     assert ours[0].startswith("error: training diverged: the ") and "Start again with a lower --lr (was 100.0)" in ours[0]
     assert not (out / "model.pt").exists()
     saved = sorted(out.glob("checkpoint-*.pt"))

@@ -16,7 +16,7 @@ import export_hf
 import generate
 import plot_metrics
 import training
-from conftest import REPO, isolated
+from conftest import script_in_process
 from data import BOT, EOT, PAD, text_only
 from errors import UsageError
 from model import LlamaConfig, LlamaForPretraining
@@ -75,19 +75,6 @@ def test_generation_ends_at_the_stop_token_which_is_not_returned(small_model):
     expected = greedy_without_cache(small_model, prompt, 10)
     stop = expected[4]
     assert generate.generate(small_model, prompt, 10, stop_id=stop) == expected[:expected.index(stop)]
-
-
-def script_in_process(script, args) -> int:
-    """`python SCRIPT ARGS` in this process, through the script's own `if __name__ == "__main__"`
-    lines (runpy): the whole path a user's command takes, without starting a Python. Returns
-    its exit status; what it prints is left to capsys."""
-    import runpy
-    with isolated([script, *args]):
-        try:
-            runpy.run_path(str(REPO / script), run_name="__main__")
-        except SystemExit as e:
-            return e.code
-    return 0
 
 
 def expected_text(model, tokenizer, prompt_text, n):
