@@ -287,8 +287,12 @@ class CheckpointWriter:
     def __init__(self, out_dir: str, keep: int):
         self.out_dir, self.keep = out_dir, keep
         self.thread, self.error = None, None
-        self.latest = Path(out_dir) / CHECKPOINT  # what --resume continues from, for the user
         finish_before_exit(self.wait)  # an error in the training loop lets a save in flight complete
+
+    @property
+    def latest(self) -> Path:
+        """The checkpoint --resume continues from, as the user is told it."""
+        return Path(self.out_dir) / CHECKPOINT
 
     def save(self, state: dict):
         self.wait()

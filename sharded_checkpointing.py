@@ -65,11 +65,14 @@ class ShardedCheckpointWriter(CheckpointWriter):
         super().__init__(out_dir, keep)
         self.out, self.group = Path(out_dir), group
 
+    @property
+    def latest(self) -> Path:
+        return sharded_checkpoints(self.out)[-1]  # the newest folder: the one --resume reads
+
     def save(self, model, optimizer, train_state: dict):
         self.wait()
         final = self.out / f"checkpoint-{train_state['step']:08d}"
         tmp = final.with_name(final.name + ".tmp")
-        self.latest = final
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crash
         dist.barrier(group=self.group)

@@ -11,8 +11,7 @@ import checkpointing
 import generate
 from conftest import (BF16, FAST, FLOOR_MULTIPLE, assert_follows_in_bf16, assert_same_model, assert_same_weights,
                       assert_within, ddp_two_ranks, load_weights, metrics, run_script, spied, train)
-from data import BOT, EOT
-from test_using_the_model import greedy_without_cache
+from test_using_the_model import expected_text
 from test_bad_inputs import refused_in_process
 from test_failures import exit_codes, fault_env
 
@@ -71,10 +70,7 @@ def test_each_rank_writes_its_own_shard_and_model_pt_is_a_plain_state_dict(runs,
     model, tokenizer = checkpointing.load_trained(out)  # strict load into model.py's model
     assert model.state_dict().keys() == load_weights(runs("dp", "train_dp.py")).keys()
     generate.main([str(out), "--prompt", "the", "--max-new-tokens", "5", "--temperature", "0"])
-    prompt = [tokenizer.token_to_id(BOT)] + tokenizer.encode("the", add_special_tokens=False).ids
-    new = greedy_without_cache(model, prompt, 5)
-    new = new[:new.index(tokenizer.token_to_id(EOT))] if tokenizer.token_to_id(EOT) in new else new
-    assert capsys.readouterr().out == tokenizer.decode(prompt + new, skip_special_tokens=True) + "\n"
+    assert capsys.readouterr().out == expected_text(model, tokenizer, "the", 5)  # greedy: an argmax loop
 
 
 def test_only_rank_0_writes_the_run_files_and_each_rank_only_its_own_shards(runs):
