@@ -23,6 +23,7 @@ import json
 import os
 import resource
 import socket
+import sys
 import time
 
 import torch
@@ -163,7 +164,19 @@ def sync(device):
 def peak_memory_gb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS (KiB on Linux)
+    return peak_rss_gb()
+
+
+def peak_rss_gb() -> float:
+    """This process's own peak resident memory: Linux's VmHWM. Not ru_maxrss, which a process
+    inherits from its parent across fork and exec: every spawned worker would report at least
+    the peak its parent had reached (the fallback where there is no /proc)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20  # KiB
+    except (OSError, StopIteration):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (2**30 if sys.platform == "darwin" else 2**20)  # bytes on macOS, KiB elsewhere
 
 
 # ---- table 1: one process, DataParallel, DDP ----------------------------------------------
@@ -190,22 +203,30 @@ def fsdp_available() -> bool:
     return True
 
 
-def distributed_worker(rank, world_size, port, args, dtype, kind, results):
+def distributed_worker(rank, world_size, port, args, dtype, kinds, results):
+    """One world measures each kind in turn (FSDP before DDP: on a CPU the memory column is the
+    peak RSS so far, and DDP's own peak is the larger)."""
     device = join_world(rank, world_size, port)
     cuda = device.type == "cuda"
-    if kind == "FSDP":  # as train_fsdp.py shards it: fp32 weights, `dtype` through the mixed-precision policy
-        import train_fsdp  # here, not at the top: DP and DDP rows run on torch 2.5 too
-        from torch.distributed.device_mesh import init_device_mesh
-        model = train_fsdp.shard(build(args, device, torch.float32), init_device_mesh(device.type, (world_size,)), dtype)
-    else:  # as train_ddp.py builds it
-        model = nn.parallel.DistributedDataParallel(build(args, device, dtype), device_ids=[rank] if cuda else None,
-                                                    **launcher.DDP_OPTIONS)
     shard = [(x[rank::world_size], y[rank::world_size]) for x, y in synthetic_batches(args)]
-    row = time_steps(args, model, shard, device)
-    per_rank = [None] * world_size
-    dist.all_gather_object(per_rank, (row["peak_mem_gb"], row["state_gb"]))
-    if rank == 0:
-        results.put({**row, "peak_mem_gb": [m for m, _ in per_rank], "state_gb": [s for _, s in per_rank]})
+    for kind in kinds:
+        if kind == "FSDP":  # as train_fsdp.py shards it: fp32 weights, `dtype` through the mixed-precision policy
+            import train_fsdp  # here, not at the top: DP and DDP rows run on torch 2.5 too
+            from torch.distributed.device_mesh import init_device_mesh
+            model = train_fsdp.shard(build(args, device, torch.float32), init_device_mesh(device.type, (world_size,)),
+                                     dtype)
+        else:  # as train_ddp.py builds it
+            model = nn.parallel.DistributedDataParallel(build(args, device, dtype), device_ids=[rank] if cuda else None,
+                                                        **launcher.DDP_OPTIONS)
+        row = time_steps(args, model, shard, device)
+        if kind == "FSDP":  # freed before DDP's is built (DDP's reducer never is: see the end)
+            del model
+            if cuda:
+                torch.cuda.empty_cache()
+        per_rank = [None] * world_size
+        dist.all_gather_object(per_rank, (row["peak_mem_gb"], row["state_gb"]))
+        if rank == 0:
+            results.put((kind, {**row, "peak_mem_gb": [m for m, _ in per_rank], "state_gb": [s for _, s in per_rank]}))
     # Leave without tearing the model and gloo down: freeing them right after the last
     # collective can deadlock in gloo's destructor (its worker thread waits for the GIL that
     # the joining main thread holds; seen in CI with torch 2.13). Nothing is left to do here.
@@ -233,12 +254,16 @@ def scaling_table(args, device, dtype, batches):
     kinds = ("DDP", "FSDP") if fsdp_available() else ("DDP",)
     if "FSDP" not in kinds:
         print(f"(no FSDP rows: torch {torch.__version__} has no torch.distributed.fsdp.fully_shard; it needs 2.6)")
-    for kind in kinds:
-        for world_size in range(1, args.max_world_size + 1):
-            results = mp.get_context("spawn").SimpleQueue()
-            mp.spawn(distributed_worker, args=(world_size, free_port(), args, dtype, kind, results), nprocs=world_size)
-            rows.append((f"{kind}, world size {world_size}", results.get()))
-    return rows
+    measured = {}
+    for world_size in range(1, args.max_world_size + 1):  # one world of processes per size, for every kind
+        results = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(distributed_worker, args=(world_size, free_port(), args, dtype, kinds[::-1], results),
+                 nprocs=world_size)
+        for _ in kinds:
+            kind, row = results.get()
+            measured[kind, world_size] = row
+    return rows + [(f"{kind}, world size {n}", measured[kind, n]) for kind in kinds
+                   for n in range(1, args.max_world_size + 1)]
 
 
 def memory_table(world_sizes=(1, 2, 4, 8)):

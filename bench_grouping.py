@@ -15,7 +15,6 @@ on GPUs, peak RSS on a CPU.
 
 import argparse
 import os
-import resource
 import sys
 
 import torch
@@ -58,8 +57,7 @@ def worker(rank, world_size, port, args, variant, results):
         (loss_sum.sum() / n_tokens.sum()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    peak = (torch.cuda.max_memory_allocated(device) if cuda
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**20
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else bench.peak_rss_gb() * 2**10
     peaks = [None] * world_size
     dist.all_gather_object(peaks, peak)
     if rank == 0:

@@ -3,6 +3,7 @@ for the two training scripts (in a subprocess, as a user would run them)."""
 
 import atexit
 import contextlib
+import fcntl
 import io
 import json
 import os
@@ -48,6 +49,13 @@ os.environ.update(HF_HOME=_HF_HOME, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
 # for its workers only when --nproc_per_node is above 1, so every launch here fixes it.
 THREADS = {"OMP_NUM_THREADS": "1"}
 
+# pytest-xdist's workers (pytest.ini) share the cores, so each computes in-process on its share,
+# as torchrun gives its workers theirs: two workers of two threads each on two cores made
+# OpenMP's threads wait on each other, and bench.py's in-process rows ran 3x slower.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def launch_env(extra: dict | None = None) -> dict:
     """The environment of every training process a test starts: ours, one thread each."""
@@ -65,9 +73,30 @@ def write_corpus(path: Path, n_docs: int = 240, seed: int = 0) -> Path:
     return path
 
 
+def shared_dir(tmp_path_factory) -> Path:
+    """The session's folder for what is made once per test run. Under pytest-xdist each worker
+    is a session of its own: then the folder all workers share, so that each run is still
+    trained once, by whichever worker needs it first."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def exclusive(lock: Path):
+    """Holds an flock on `lock`: the other workers wait here until we are done (each wait is
+    bounded by pytest-timeout, like the work it waits for)."""
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+    path = shared_dir(tmp_path_factory) / "corpus.txt"
+    with exclusive(path.with_suffix(".lock")):
+        if not path.exists():
+            write_corpus(path.with_suffix(".tmp")).rename(path)
+    return path
 
 
 def run_script(script: str, args: list[str], nproc: int = 0, wrapper: str | None = None,
@@ -191,21 +220,28 @@ def leaves_the_test_process_as_it_found_it():
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, corpus):
     """Memoized training runs: runs(name, script, extra_args, nproc) -> out_dir.
-    Several tests compare the same runs, so each is trained once per session. A cached run
-    is never changed: a test that resumes one resumes its own copy (runs.copy). A plain
-    one-process run (no wrapper) runs in this process; runs.output[name] is what it printed."""
+    Several tests compare the same runs, so each is trained once per test run (once across
+    pytest-xdist's workers: the first to ask trains it, the others wait and reuse it). A
+    cached run is never changed: a test that resumes one resumes its own copy (runs.copy). A
+    plain one-process run (no wrapper) runs in the asking process; runs.output[name] is what
+    it printed."""
+    root = shared_dir(tmp_path_factory) / "runs"
+    root.mkdir(exist_ok=True)
     done, output = {}, {}
-    root = tmp_path_factory.mktemp("runs")
 
     def get(name, script, extra=(), nproc=0, **kwargs):
-        how = (script, list(extra), nproc, kwargs)
+        how = json.loads(json.dumps([script, list(extra), nproc, kwargs], default=str))
+        out, record = root / name, root / f"{name}.json"
         if name not in done:
-            out = root / name
-            args = ["--dataset", str(corpus), *FAST, "--out-dir", str(out), *extra]
-            output[name] = train(script, args, nproc, **kwargs)
-            done[name] = (out, how)
-        assert done[name][1] == how, f"run {name!r} was cached with other arguments: {done[name][1]}"
-        return done[name][0]
+            with exclusive(root / f"{name}.lock"):
+                if not record.exists():
+                    args = ["--dataset", str(corpus), *FAST, "--out-dir", str(out), *extra]
+                    printed = train(script, args, nproc, **kwargs)
+                    record.write_text(json.dumps({"how": how, "output": printed}))
+            done[name] = json.loads(record.read_text())
+            output[name] = done[name]["output"]
+        assert done[name]["how"] == how, f"run {name!r} was cached with other arguments: {done[name]['how']}"
+        return out
 
     def copy(run: Path, to: Path) -> Path:
         shutil.copytree(run, to)

@@ -3,6 +3,7 @@ figures in metrics.jsonl are computed from a FLOP count that matches PyTorch's o
 
 import json
 import shutil
+import subprocess
 import sys
 import time
 
@@ -14,8 +15,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import checkpointing
 import training
 from errors import UsageError
-from conftest import (BF16, FAST, FP32_LIKE_BF16, assert_follows_in_bf16, assert_same_model, load_weights, metrics,
-                      spied, train)
+from conftest import (BF16, FAST, FP32_LIKE_BF16, REPO, assert_follows_in_bf16, assert_same_model, load_weights,
+                      metrics, spied, train)
 from model import LlamaConfig, LlamaForPretraining
 
 
@@ -162,28 +163,44 @@ def test_bench_runs_every_row_and_writes_its_table(tmp_path, capsys):
 def test_bench_on_one_gpu_and_without_fsdp_still_prints_every_table(tmp_path, monkeypatch, capsys):
     """--max-world-size 1, as on a machine with one GPU, on a torch without FSDP2 (as torch 2.5,
     which the README promises for DP and DDP: no fully_shard): Table 1 holds the rows it could
-    measure, the ratios only those, and Tables 2-3 and bench.json still come out. (The DDP
-    worker's row is made up: the test above runs the real workers.)"""
+    measure, the ratios only those, and Tables 2-3 and bench.json still come out. (Every row
+    is made up: the test above measures them all for real.)"""
     import bench
     import torch.distributed.fsdp as fsdp
     monkeypatch.delattr(fsdp, "fully_shard")
+    row = {"steps_per_s": 2.0, "peak_mem_gb": 0.5, "state_gb": 0.25}
+    monkeypatch.setattr(bench, "time_steps", lambda *args, **kwargs: dict(row))
     spawned = []
 
-    def a_worker_in_name_only(worker, args, nprocs):
-        spawned.append((worker.__name__, args[4], nprocs))  # (the function, kind, world size)
-        args[-1].put({"steps_per_s": 2.0, "peak_mem_gb": [0.5], "state_gb": [0.25]})
+    def a_world_in_name_only(worker, args, nprocs):
+        spawned.append((worker.__name__, args[4], nprocs))  # (the function, the kinds it measures, world size)
+        for kind in args[4]:
+            args[-1].put((kind, {**row, "peak_mem_gb": [0.5], "state_gb": [0.25]}))
 
-    monkeypatch.setattr(bench.mp, "spawn", a_worker_in_name_only)
+    monkeypatch.setattr(bench.mp, "spawn", a_world_in_name_only)
     out = tmp_path / "bench.json"
     bench.main(["--steps", "1", "--warmup", "1", "--seq-len", "32", "--batch-size", "4", "--max-world-size", "1",
                 "--json", str(out)])
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert list(result["scaling"]) == ["one process", "DDP, world size 1"]
-    assert spawned == [("distributed_worker", "DDP", 1)]  # no FSDP worker, no world of 2
+    assert spawned == [("distributed_worker", ("DDP",), 1)]  # no FSDP, no world of 2
     assert "no FSDP rows: torch" in printed
     assert [key for key in result["ratios"] if "vs tutorial" not in key] == ["ddp_world_1_vs_one_process"]
     assert all(f"Table {n}" in printed for n in (1, 2, 3)) and result["memory_per_rank"]
+
+
+def test_a_spawned_bench_worker_reports_its_own_peak_memory_not_its_parents():
+    """On a CPU each DDP/FSDP row gives every rank's peak RSS. ru_maxrss would give each
+    worker at least the peak of the bench process that started it (Linux carries it across
+    fork and exec); bench.peak_rss_gb gives the worker's own."""
+    import bench
+    held = bytearray(2**30)  # this process now holds 1 GiB more...
+    held[::4096] = b"x" * len(held[::4096])  # ...resident: one byte in every page
+    child = subprocess.run([sys.executable, "-c", "import bench; print(bench.peak_rss_gb())"], cwd=REPO,
+                           capture_output=True, text=True, check=True)
+    assert bench.peak_rss_gb() > 1.0 > float(child.stdout)  # the child imported torch, far below 1 GiB
+    del held
 
 
 def test_bench_grouping_without_fsdp_is_one_line_and_exit_2(monkeypatch, capsys):
