@@ -264,8 +264,16 @@ def save_checkpoint(state: dict, out_dir, keep: int):
         shutil.copyfile(numbered, link)
     os.replace(link, out / CHECKPOINT)
     _fsync_dir(out)
-    for old in numbered_checkpoints(out)[:-keep]:
+    for old in to_prune(numbered_checkpoints(out), numbered, keep):
         old.unlink()
+
+
+def to_prune(checkpoints: list[Path], saved: Path, keep: int) -> list[Path]:
+    """After `saved` is written: all but the newest `keep` of the checkpoints up to it. Newer
+    ones (steps a run took before it was stopped and resumed from an older checkpoint, the
+    newer one being unreadable) are left alone: pruning by count would delete the good
+    checkpoints and keep the unreadable one, leaving nothing to resume from."""
+    return checkpoints[:checkpoints.index(saved) + 1][:-keep]
 
 
 def _cpu_copy(obj):
@@ -289,9 +297,9 @@ class CheckpointWriter:
         self.thread, self.error = None, None
         finish_before_exit(self.wait)  # an error in the training loop lets a save in flight complete
 
-    @property
-    def latest(self) -> Path:
-        """The checkpoint --resume continues from, as the user is told it."""
+    def checkpoint_at(self, step: int) -> Path:
+        """The checkpoint of a run stopped after `step` (saved then, or resumed from if it
+        took no step), which --resume continues from: as the user is told it."""
         return Path(self.out_dir) / CHECKPOINT
 
     def save(self, state: dict):

@@ -17,4 +17,10 @@ def first_line(e: BaseException) -> str:
     while e.__cause__ is not None:
         e = e.__cause__
     text = str(e).strip() or type(e).__name__
+    if text.startswith("Weights only load failed"):
+        # torch.load's refusal of a file that holds more than tensors and plain values. Its
+        # first line advises loading again with weights_only=False, which would run whatever
+        # code the file holds: never passed on. What it refused is on a later line.
+        found = [line.strip() for line in text.splitlines() if "unsupported" in line.lower()]
+        return "refused: it holds more than tensors and plain values" + (f" ({found[0]})" if found else "")
     return text.splitlines()[0]

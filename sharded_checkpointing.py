@@ -13,22 +13,112 @@ so a folder with the final name is always complete. DCP reshards on load: a chec
 saved by N ranks resumes on any number of ranks.
 """
 
+import io
 import os
+import pickle
 import shutil
 import threading
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
-from checkpointing import CheckpointWriter, _fsync_dir, atomic_save, load_pt, sharded_checkpoints
-from errors import UsageError
+from checkpointing import CheckpointWriter, _fsync_dir, atomic_save, load_pt, sharded_checkpoints, to_prune
+from errors import UsageError, first_line
 from launcher import warn
 
 TRAIN_STATE = "train_state.pt"
+
+
+# ---- reading a checkpoint that may be hostile --------------------------------------------
+# DCP reads .metadata with plain pickle and every non-tensor value in the shards (AdamW's
+# hyperparameters) with torch.load(weights_only=False): either file, crafted, would run code
+# on every rank at --resume. We read both ourselves: .metadata with an unpickler that builds
+# only the classes DCP's metadata is made of, the values with weights_only=True.
+
+_METADATA_CLASSES = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+    ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                     torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def read_metadata(path: Path) -> Metadata:
+    """A checkpoint folder's .metadata, read without running code, and checked against the
+    folder: every shard file it names is there (a bare name in the folder) and long enough,
+    and every non-tensor value in them loads with weights_only. Anything else is one
+    UsageError line."""
+    try:
+        with open(path / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as e:
+        raise UsageError(f"cannot read {path / '.metadata'}: {e}") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise UsageError(f"{path / '.metadata'} is not the metadata of a sharded checkpoint")
+    sizes = {}
+    for info in metadata.storage_data.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise UsageError(f"{path / '.metadata'} names a shard outside its folder: {name!r}")
+        if getattr(info, "transform_descriptors", None):  # compression and the like: we never write any
+            raise UsageError(f"{path / '.metadata'} asks for transforms this trainer does not write")
+        if name not in sizes:
+            sizes[name] = (path / name).stat().st_size if (path / name).is_file() else None
+        if sizes[name] is None:
+            raise UsageError(f"{path / name} is missing: the checkpoint is incomplete")
+        if info.offset + info.length > sizes[name]:
+            raise UsageError(f"{path / name} is shorter than its .metadata says: the checkpoint is truncated")
+    for index, info in metadata.storage_data.items():
+        if isinstance(metadata.state_dict_metadata.get(getattr(index, "fqn", None)), BytesStorageMetadata):
+            with open(path / info.relative_path, "rb") as f:  # a few bytes: AdamW's lr, betas, ...
+                f.seek(info.offset)
+                value = io.BytesIO(f.read(info.length))
+            try:
+                torch.load(value, map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise UsageError(f"cannot load {index.fqn} from {path / info.relative_path}: {first_line(e)}") from None
+    return metadata
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, given the metadata read_metadata() checked instead of unpickling it."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.checked = read_metadata(Path(path))
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if self.checked.storage_meta is None:
+            self.checked.storage_meta = StorageMeta()
+        self.checked.storage_meta.load_id = self.load_id  # as FileSystemReader sets it
+        return self.checked
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """DCP's planner, loading the checkpoint's non-tensor values with weights_only=True."""
+
+    def load_bytes(self, read_item, value):
+        loaded = torch.load(value, map_location="cpu", weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 def load_latest_checkpoint(out_dir) -> dict:
@@ -40,14 +130,15 @@ def load_latest_checkpoint(out_dir) -> dict:
         try:
             if not (path / ".metadata").is_file():
                 raise UsageError(f"{path} has no .metadata: not a complete checkpoint")
+            read_metadata(path)
             ckpt = load_pt(path / TRAIN_STATE, "checkpoint")
             if not isinstance(ckpt, dict) or not {"step", "scheduler", "model_config", "train_config"} <= ckpt.keys():
                 raise UsageError(f"{path / TRAIN_STATE} is not a checkpoint of this trainer")
         except UsageError as e:
             failures.append(str(e))
             continue
-        if failures:
-            warn(f"{failures[0]}; falling back to {path.name}")
+        for failure in failures:
+            warn(f"{failure}; falling back to {path.name}")
         ckpt.update(path=str(path), inode=path.stat().st_ino, sharded=True)
         return ckpt
     raise UsageError(failures[0] if failures else f"{out_dir} holds no sharded checkpoint")
@@ -65,13 +156,12 @@ class ShardedCheckpointWriter(CheckpointWriter):
         super().__init__(out_dir, keep)
         self.out, self.group = Path(out_dir), group
 
-    @property
-    def latest(self) -> Path:
-        return sharded_checkpoints(self.out)[-1]  # the newest folder: the one --resume reads
+    def checkpoint_at(self, step: int) -> Path:
+        return self.out / f"checkpoint-{step:08d}"
 
     def save(self, model, optimizer, train_state: dict):
         self.wait()
-        final = self.out / f"checkpoint-{train_state['step']:08d}"
+        final = self.checkpoint_at(train_state["step"])
         tmp = final.with_name(final.name + ".tmp")
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crash
@@ -96,7 +186,7 @@ class ShardedCheckpointWriter(CheckpointWriter):
                 shutil.rmtree(final, ignore_errors=True)  # only if a restarted run saves the same step again
                 os.replace(tmp, final)  # the checkpoint becomes visible, complete
                 _fsync_dir(self.out)
-                for old in sharded_checkpoints(self.out)[:-self.keep]:
+                for old in to_prune(sharded_checkpoints(self.out), final, self.keep):
                     shutil.rmtree(old)
         except BaseException as e:  # re-raised in the training thread by wait()
             self.error = e
@@ -107,7 +197,14 @@ def restore(ckpt: dict, model, optimizer) -> None:
     world size changed. The templates come from get_state_dict: a fresh AdamW has no state
     yet, and its own state_dict() would be a template without the moments to load into."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=ckpt["path"])
+    try:
+        dcp.load({"model": model_state, "optimizer": optimizer_state}, storage_reader=_SafeReader(Path(ckpt["path"])),
+                 planner=_SafePlanner())
+    except UsageError:
+        raise
+    except Exception as e:  # a shard whose bytes changed after load_latest_checkpoint chose it
+        raise UsageError(f"cannot load {ckpt['path']}: {first_line(e)}; move it away to resume from the one "
+                         "before it") from None
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
 
 

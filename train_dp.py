@@ -129,7 +129,7 @@ def main():
         if step == total_steps:  # raw_model, not model: no `module.` prefix in the keys
             checkpointing.atomic_save(raw_model.state_dict(), Path(cfg.out_dir) / checkpointing.MODEL)
         print(training.summary(cfg, step, total_steps, first_step, time.perf_counter() - started, loss, val_loss,
-                               preempted, writer.latest))
+                               preempted, writer.checkpoint_at(step)))
 
 
 if __name__ == "__main__":

@@ -172,7 +172,7 @@ def main():
         if step == total_steps:  # plain keys, as the other scripts write them
             checkpointing.atomic_save(full_state, Path(cfg.out_dir) / checkpointing.MODEL)
         print(training.summary(cfg, step, total_steps, first_step, time.perf_counter() - started, loss, val_loss,
-                               preempted, writer.latest))
+                               preempted, writer.checkpoint_at(step)))
     dist.destroy_process_group()
 
 

@@ -1,11 +1,14 @@
 """train_fsdp.py: FSDP2 trains the model DDP trains, at every world size; its sharded
 checkpoints resume exactly, on another world size too, and survive what DDP's survive."""
 
+import os
+import pickle
 import re
 import shutil
 
 import pytest
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 import checkpointing
 import generate
@@ -13,7 +16,7 @@ from conftest import (BF16, FAST, FLOOR_MULTIPLE, assert_follows_in_bf16, assert
                       assert_within, ddp_two_ranks, load_weights, metrics, run_script, spied, train)
 from test_using_the_model import expected_text
 from test_bad_inputs import refused_in_process
-from test_failures import exit_codes, fault_env
+from test_failures import RunsCode, exit_codes, fault_env
 
 # Clipping is the one place where FSDP adds up in another order than DDP: it takes each
 # gradient's norm from the norms of its shards. Without clipping FSDP(2) and DDP(2) end
@@ -183,6 +186,65 @@ def test_an_unreadable_train_state_falls_back_to_the_older_checkpoint(runs, tmp_
     ckpt = sharded_checkpointing.load_latest_checkpoint(out)
     assert ckpt["step"] == 4 and ckpt["path"] == str(out / "checkpoint-00000004")
     assert capsys.readouterr().err.startswith(f"warning: cannot load checkpoint {state}: ")
+
+
+def saved_after_every_step(runs):
+    """2 ranks stopped at step 6 of 8, with a sharded checkpoint after each of steps 1 to 6."""
+    return runs("fsdp2_every_step", "train_fsdp.py", ["--save-every", "1", "--keep-checkpoints", "6",
+                                                      "--stop-at-step", "6"], nproc=2)
+
+
+def test_crafted_or_damaged_sharded_checkpoints_run_no_code_and_are_passed_over(runs, tmp_path):
+    """Every file in a checkpoint may be hostile. DCP itself would unpickle a crafted .metadata,
+    and AdamW's values in a crafted shard, running their code on every rank; a shard missing
+    or cut short, or an empty .metadata, would end the resume in a traceback. Each of the five
+    newest checkpoints is one of these: the resume passes over each with a warning and
+    finishes from the newest good one (step 1) exactly as the uninterrupted run did."""
+    out = runs.copy(saved_after_every_step(runs), tmp_path / "run")
+    ckpt = {step: out / f"checkpoint-{step:08d}" for step in range(1, 7)}
+    ran = tmp_path / "the-code-ran"
+    (ckpt[6] / ".metadata").write_bytes(pickle.dumps(RunsCode(ran)))
+    # 5: its own .metadata, except that AdamW's lr is now read from a file that runs code
+    metadata = pickle.loads((ckpt[5] / ".metadata").read_bytes())  # (the test's own copy: safe to unpickle)
+    lr = next(index for index in metadata.storage_data if index.fqn.endswith(".lr"))
+    torch.save(RunsCode(ran), ckpt[5] / "crafted.distcp")
+    metadata.storage_data[lr] = _StorageInfo("crafted.distcp", 0, (ckpt[5] / "crafted.distcp").stat().st_size)
+    (ckpt[5] / ".metadata").write_bytes(pickle.dumps(metadata))
+    (ckpt[4] / "__1_0.distcp").unlink()
+    shard = ckpt[3] / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    (ckpt[2] / ".metadata").write_bytes(b"")
+    proc = run_script("train_fsdp.py", args(runs, out, "--resume"), nproc=2)
+    assert not ran.exists()
+    assert f"resumed from {ckpt[1]} at step 1" in proc.stdout
+    warned = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    assert [line.endswith("; falling back to checkpoint-00000001") for line in warned] == [True] * 5, warned
+    for line, step, why in zip(warned, range(6, 1, -1), ["posix.system is not part of a checkpoint's metadata",
+                                                         f"cannot load {lr.fqn} from {ckpt[5]}/crafted.distcp: "
+                                                         "refused: it holds more than tensors and plain values",
+                                                         "__1_0.distcp is missing", "__0_0.distcp is shorter",
+                                                         "cannot read"]):
+        assert str(ckpt[step]) in line and why in line, (line, why)
+    assert "weights_only" not in proc.stderr  # torch's advice to load the crafted file unsafely is not passed on
+    assert_same_weights(out, fsdp_two_ranks(runs))  # bitwise: resumed at the same world size
+    assert not list(out.glob("*.tmp"))
+
+
+def test_a_run_that_fell_back_never_prunes_its_way_down_to_the_unreadable_checkpoint(runs, tmp_path):
+    """The newest checkpoint (6) unreadable and 5 gone: a resume falls back to 4, saves 5 and
+    keeps one checkpoint. Pruning by count would keep only the unreadable 6; it prunes only
+    checkpoints up to the one it saved, and names that one. The next resume passes over 6
+    for 5 and ends where the uninterrupted run ended."""
+    out = runs.copy(saved_after_every_step(runs), tmp_path / "run")
+    (out / "checkpoint-00000006" / "train_state.pt").write_bytes(os.urandom(1000))
+    shutil.rmtree(out / "checkpoint-00000005")
+    proc = run_script("train_fsdp.py", args(runs, out, "--resume", "--keep-checkpoints", "1", "--stop-at-step", "5"),
+                      nproc=2)
+    assert f"checkpoint saved in {out}/checkpoint-00000005; continue with --resume" in proc.stdout
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-00000005", "checkpoint-00000006"]
+    proc = run_script("train_fsdp.py", args(runs, out, "--resume"), nproc=2)
+    assert f"resumed from {out}/checkpoint-00000005 at step 5" in proc.stdout
+    assert_same_weights(out, fsdp_two_ranks(runs))
 
 
 @pytest.mark.compile
