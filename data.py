@@ -31,6 +31,9 @@ SPECIAL_TOKENS = [PAD, BOT, EOT]
 EMBEDDED_CORPUS = "stdlib"
 # local file suffix -> the `datasets` builder that reads it
 FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+# A UTF-8 byte-order mark (some Windows editors write one) is not part of the first document:
+# the same file with and without it is the same data. The json and csv readers drop it already.
+BUILDER_OPTIONS = {"text": {"encoding": "utf-8-sig"}}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # `datasets` decompresses these as it reads (.zst: with zstandard)
 KNOWN_FILES = f"{'/'.join(FILE_BUILDERS)} (optionally {'/'.join(COMPRESSIONS)})"
 # The tokenizer is trained on at most this much text: plenty for a BPE, and it keeps a
@@ -165,7 +168,8 @@ def load_corpus(dataset: str, dataset_config: str | None = None, split: str | No
             data_files = [str(f) for f in files if file_builder(f) == builder]
             try:
                 with _reported_by_us():
-                    part = datasets.load_dataset(builder, data_files=data_files, split="train")
+                    part = datasets.load_dataset(builder, data_files=data_files, split="train",
+                                                 **BUILDER_OPTIONS.get(builder, {}))
             except Exception as e:  # datasets raises many types for unreadable files
                 raise UsageError(f"cannot read {dataset}: {first_line(e)}") from None
             parts.append(_text_column(part, text_column, dataset))

@@ -116,6 +116,12 @@ DDP_OPTIONS = {"gradient_as_bucket_view": True, _SYNC_BUFFERS: False}
 def init_process_group(backend: str, timeout_minutes: float):
     """dist.init_process_group on torchrun's store (or, under plain `python`, a world of one)."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if ("RANK" in os.environ or world_size > 1) and not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
+        # RANK or WORLD_SIZE without a launcher (left in a shell, or a plain `python` where
+        # torchrun was meant): a world of 2 would wait 30 minutes for a rank that never comes
+        raise UsageError(f"RANK={os.environ.get('RANK', '(unset)')} WORLD_SIZE={os.environ.get('WORLD_SIZE', '(unset)')} "
+                         "without MASTER_ADDR and MASTER_PORT: start the ranks with torchrun, or unset RANK and "
+                         "WORLD_SIZE to train as one process")
     timeout = datetime.timedelta(minutes=timeout_minutes)  # how long a training collective may wait
     if "RANK" in os.environ:  # MASTER_ADDR/PORT, RANK and WORLD_SIZE come from torchrun
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))

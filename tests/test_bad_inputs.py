@@ -173,6 +173,18 @@ def test_an_impossible_out_dir_is_refused_before_any_data_is_loaded(tmp_path, ca
     assert capsys.readouterr().err == f"error: --out-dir {out}: {tmp_path / 'README.md'} is a file, not a folder\n"
 
 
+def test_an_out_dir_that_is_a_dangling_link_is_refused_before_any_data_is_loaded(tmp_path, corpus, capsys):
+    """A link to a folder that does not exist (a scratch disk not mounted): one line that says
+    so, not a FileExistsError traceback after the data was prepared; the link stays as it was."""
+    (tmp_path / "out").symlink_to(tmp_path / "missing")
+    for out in (tmp_path / "out", tmp_path / "out" / "run"):
+        assert script_in_process("train_dp.py", ["--dataset", str(corpus), *FAST, "--out-dir", str(out)]) == 2
+        assert capsys.readouterr().err == (f"error: --out-dir {out}: {tmp_path / 'out'} is a link to "
+                                           f"{tmp_path / 'missing'}, which does not exist; create that folder "
+                                           "or choose another\n")
+    assert (tmp_path / "out").is_symlink() and not (tmp_path / "missing").exists()
+
+
 def test_an_out_dir_inside_the_dataset_folder_is_refused(tmp_path, corpus):
     """The run's own .json/.jsonl files would be read back as data, and no resume could work.
     (A subprocess, as a user runs it: one of the smoke tests of the whole path.)"""
@@ -299,6 +311,22 @@ def test_a_stray_rank_variable_outside_torchrun_hides_no_error(tmp_path, script,
     assert script_in_process(script, args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err, err
+
+
+@pytest.mark.parametrize("script, variables", [("train_ddp.py", {"WORLD_SIZE": "2"}),
+                                               ("train_fsdp.py", {"RANK": "0", "WORLD_SIZE": "2"})])
+def test_rank_variables_without_torchrun_are_one_line_not_a_hang(tmp_path, corpus, script, variables):
+    """`WORLD_SIZE=2 python train_ddp.py` would wait 30 minutes for a second rank that nothing
+    starts; RANK without MASTER_ADDR was a traceback. Both are one line, within seconds
+    (a subprocess: the hang, were it back, ends at its timeout), before anything is written."""
+    out = tmp_path / "out"
+    proc = run_script(script, ["--dataset", str(corpus), *FAST, "--out-dir", str(out)], env=variables, check=False,
+                      timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"error: RANK={variables.get('RANK', '(unset)')} WORLD_SIZE=2 without MASTER_ADDR and MASTER_PORT: start "
+        "the ranks with torchrun, or unset RANK and WORLD_SIZE to train as one process"]
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("resume", [False, True])

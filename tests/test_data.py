@@ -285,6 +285,18 @@ def test_the_fingerprint_is_the_content_not_the_path(tmp_path):
     assert len({fp["a.txt"]["blake2b"], fp["swapped.txt"]["blake2b"], fp["regrouped.jsonl"]["blake2b"]}) == 3
 
 
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    """An editor that adds or strips a UTF-8 byte-order mark changes no document: the file is
+    the same data (the same fingerprint, so a resume accepts it)."""
+    lines = "first document\nsecond document\n"
+    (tmp_path / "plain.txt").write_text(lines, encoding="utf-8")
+    (tmp_path / "bom.txt").write_text(lines, encoding="utf-8-sig")
+    assert (tmp_path / "bom.txt").read_bytes().startswith(b"\xef\xbb\xbf")
+    plain, bom = (data.load_corpus(str(tmp_path / name)) for name in ("plain.txt", "bom.txt"))
+    assert bom["text"] == plain["text"] == ["first document", "second document"]
+    assert data.fingerprint(bom) == data.fingerprint(plain)
+
+
 def test_special_token_lookalikes_in_a_document_are_text(tokenizer):
     """Only the framing makes [BOT] and [EOT]: a document that spells them out is encoded as text."""
     special = {tokenizer.token_to_id(t) for t in (PAD, BOT, EOT)}
