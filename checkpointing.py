@@ -348,6 +348,12 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
         raise UsageError(f"cannot read {out / CONFIG}: {first_line(e)}") from None
     if (out / MODEL).is_file():
         state = load_pt(out / MODEL, "weights")
+    elif sharded_checkpoints(out) and not (out / CHECKPOINT).is_file():  # an unfinished train_fsdp.py run
+        import sharded_checkpointing  # here: DCP, which the other scripts' folders never need
+        ckpt = sharded_checkpointing.load_latest_checkpoint(out)
+        warn(f"no {MODEL} in {out} (the run has not finished): using {Path(ckpt['path']).name}, "
+             f"step {ckpt['step']}, gathered from its shards")
+        state = sharded_checkpointing.gathered_model(ckpt, model)
     else:
         if not (out / CHECKPOINT).is_file() and not numbered_checkpoints(out):
             raise UsageError(f"{out} holds no {MODEL} and no checkpoint: nothing trained yet")

@@ -18,6 +18,7 @@ import os
 import pickle
 import shutil
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -206,6 +207,17 @@ def restore(ckpt: dict, model, optimizer) -> None:
         raise UsageError(f"cannot load {ckpt['path']}: {first_line(e)}; move it away to resume from the one "
                          "before it") from None
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+
+
+def gathered_model(ckpt: dict, model) -> dict:
+    """The whole model's weights from a sharded checkpoint, in one process without a process
+    group (generate.py, export_hf.py on an unfinished run): DCP reshards every tensor to a
+    world of one. `model` gives the names and shapes; the optimizer's shards are not read."""
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # DCP warns that it loads in a single process: what we ask of it
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=_SafeReader(Path(ckpt["path"])), planner=_SafePlanner(), no_dist=True)
+    return state["model"]
 
 
 def full_model_state(model) -> dict:

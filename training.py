@@ -77,8 +77,13 @@ def load_text(cfg: TrainConfig, ckpt: dict | None = None):
     fingerprint = data.fingerprint(corpus)
     if ckpt is not None:
         check_same_corpus(ckpt, fingerprint, cfg.dataset)
-    val_docs = cfg.val_docs or data.default_val_docs(len(corpus))
-    train_text, val_text = data.split_train_val(corpus, val_docs, cfg.seed)
+    # --val-docs as the number it stands for (its default depends on the corpus), in this run's
+    # config and in the checkpoint's (None in one saved by a run that used the default), so that
+    # a resume compares the documents held out, not how they were asked for
+    cfg.val_docs = cfg.val_docs or data.default_val_docs(len(corpus))
+    if ckpt is not None:  # the same corpus (checked above): the same default
+        ckpt["train_config"]["val_docs"] = ckpt["train_config"].get("val_docs") or data.default_val_docs(len(corpus))
+    train_text, val_text = data.split_train_val(corpus, cfg.val_docs, cfg.seed)
     if len(train_text) < cfg.batch_size:  # one sequence per document: known before tokenizing
         raise UsageError(f"dataset has {len(train_text)} training documents, fewer than one --batch-size "
                          f"of {cfg.batch_size}")

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import FAST, FAST_WITH_TOKENIZER, REPO, run_script, script_in_process
+from conftest import FAST, FAST_WITH_TOKENIZER, REPO, run_script, script_in_process, train
 
 
 def snapshot(folder):
@@ -368,3 +368,22 @@ def test_resuming_with_another_tokenizer_is_refused(runs, tmp_path, capsys):
     refused_in_process("train_dp.py", ["--dataset", str(runs.corpus), *FAST_WITH_TOKENIZER, "--resume",
                                        "--tokenizer", str(tmp_path / "other.json")], out,
                        f"--tokenizer {tmp_path / 'other.json'} differs from the run's tokenizer.json", capsys)
+
+
+def test_val_docs_is_compared_as_the_documents_it_holds_out(runs, tmp_path, capsys):
+    """Without --val-docs a run holds out 1% of the corpus (240 documents: 2). Its checkpoint
+    records 2, so a resume that says --val-docs 2 resumes it, and --val-docs 3 is refused. A
+    checkpoint of an older run that recorded the default as None is read the same way."""
+    val = FAST.index("--val-docs")
+    default = ["--dataset", str(runs.corpus), *FAST[:val], *FAST[val + 2:], "--out-dir", str(tmp_path / "run")]
+    out = tmp_path / "run"
+    train("train_dp.py", [*default, "--stop-at-step", "2"])
+    ckpt = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)
+    assert ckpt["train_config"]["val_docs"] == 2
+    ckpt["train_config"]["val_docs"] = None  # as runs saved it before
+    torch.save(ckpt, out / "checkpoint.pt")
+    capsys.readouterr()
+    refused_in_process("train_dp.py", [*default[:-2], "--val-docs", "3", "--resume"], out,
+                       "--val-docs was 2 in the checkpoint's run, now 3: resume with the same value", capsys)
+    train("train_dp.py", [*default, "--val-docs", "2", "--resume", "--stop-at-step", "4"])
+    assert torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)["step"] == 4

@@ -13,7 +13,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 import checkpointing
 import generate
 from conftest import (BF16, FAST, FLOOR_MULTIPLE, assert_follows_in_bf16, assert_same_model, assert_same_weights,
-                      assert_within, ddp_two_ranks, load_weights, metrics, run_script, spied, train)
+                      assert_within, ddp_two_ranks, load_weights, max_weight_diff, metrics, run_script, spied,
+                      stopped_at_step_4, train)
 from test_using_the_model import expected_text
 from test_bad_inputs import refused_in_process
 from test_failures import RunsCode, exit_codes, fault_env
@@ -74,6 +75,26 @@ def test_each_rank_writes_its_own_shard_and_model_pt_is_a_plain_state_dict(runs,
     assert model.state_dict().keys() == load_weights(runs("dp", "train_dp.py")).keys()
     generate.main([str(out), "--prompt", "the", "--max-new-tokens", "5", "--temperature", "0"])
     assert capsys.readouterr().out == expected_text(model, tokenizer, "the", 5)  # greedy: an argmax loop
+
+
+def test_an_unfinished_run_is_sampled_from_its_newest_sharded_checkpoint_gathered_in_one_process(runs, tmp_path,
+                                                                                                  capsys, floor):
+    """generate.py and export_hf.py read model.pt or, while a run is unfinished, its newest
+    checkpoint: here 2 ranks' shards of step 4, gathered in one process without a process
+    group. They hold the weights of step 4: a one-process run's at step 4, to rounding."""
+    out = runs.copy(fsdp_two_ranks(runs), tmp_path / "run")
+    (out / "model.pt").unlink()
+    shutil.rmtree(out / "checkpoint-00000008")
+    capsys.readouterr()
+    generate.main([str(out), "--prompt", "the", "--max-new-tokens", "5", "--temperature", "0"])
+    printed = capsys.readouterr()
+    assert printed.err == (f"warning: no model.pt in {out} (the run has not finished): using checkpoint-00000004, "
+                           "step 4, gathered from its shards\n")
+    model, tokenizer = checkpointing.load_trained(out)
+    assert printed.out == expected_text(model, tokenizer, "the", 5)
+    one_process = torch.load(stopped_at_step_4(runs, tmp_path) / "checkpoint.pt", map_location="cpu",
+                             weights_only=True)["model"]
+    assert_within("weights", max_weight_diff(model.state_dict(), one_process), floor.weights, FLOOR_MULTIPLE)
 
 
 def test_only_rank_0_writes_the_run_files_and_each_rank_only_its_own_shards(runs):
