@@ -229,6 +229,9 @@ def resume(ckpt: dict | None, cfg: TrainConfig, model, optimizer, scheduler, ste
         step = checkpointing.restore_run_state(ckpt, scheduler)
     else:
         step = checkpointing.restore(ckpt, model, optimizer, scheduler)
+    if not weights_finite(model):  # a run saves only finite weights: these were damaged since
+        raise UsageError(f"{ckpt['path']} holds weights that are not finite: the checkpoint is damaged; move it "
+                         "away to resume from the one before it")
     if is_rank0():
         print(f"resumed from {ckpt['path']} at step {step} (restart {restart_count()})")
     return step
@@ -357,20 +360,23 @@ def describe(model: LlamaForPretraining, train_ds, steps_per_epoch: int, total_s
             f"| {dtype}{' | compiled' if cfg.compile else ''}")
 
 
+def weights_finite(model: torch.nn.Module) -> bool:
+    """Whether every weight is finite. One reduction and one host sync for all weights, not
+    one per parameter; under FSDP each rank checks its own shards (to_local) and the ranks
+    agree on the answer (so every rank must call it)."""
+    params = list(model.parameters())
+    sharded = any(hasattr(p, "to_local") for p in params)  # FSDP's DTensors
+    finite = torch.stack([torch.isfinite(p.to_local() if sharded else p).all() for p in params]).all()
+    if sharded:
+        finite = finite.to(torch.int32)
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+    return bool(finite.item())
+
+
 def stop_if_diverged(step: int, cfg: TrainConfig, loss: float | None = None, model: torch.nn.Module | None = None):
     """Raise if the logged loss, or any weight about to be saved, is not finite: nothing
     non-finite reaches metrics.jsonl or a checkpoint, and the older checkpoints stay good."""
-    weights_bad = False
-    if model is not None:
-        # one reduction and one host sync for all weights, not one per parameter; under FSDP
-        # each rank checks its own shards (to_local) and the ranks agree on the answer
-        params = list(model.parameters())
-        sharded = any(hasattr(p, "to_local") for p in params)  # FSDP's DTensors
-        finite = torch.stack([torch.isfinite(p.to_local() if sharded else p).all() for p in params]).all()
-        if sharded:
-            finite = finite.to(torch.int32)
-            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
-        weights_bad = not finite.item()
+    weights_bad = model is not None and not weights_finite(model)
     if weights_bad or (loss is not None and not math.isfinite(loss)):
         what = "weights are not finite" if weights_bad else f"loss is {loss}"
         raise UsageError(f"training diverged: the {what} at step {step}. Start again with a lower --lr "

@@ -433,6 +433,19 @@ def test_a_checkpoint_crafted_to_run_code_is_refused_and_runs_nothing(runs, tmp_
     assert marker.exists()  # without weights_only it runs its command
 
 
+def test_a_checkpoint_whose_weights_turned_non_finite_is_called_damaged_not_diverged(runs, tmp_path, capsys):
+    """Runs save only finite weights, so a checkpoint holding a NaN was damaged after it was
+    written: the resume says so, instead of training on to a "lower --lr" advice."""
+    out = stopped_at_step_4(runs, tmp_path)
+    ckpt = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)
+    ckpt["model"]["base_model.norm.weight"][0] = float("nan")
+    torch.save(ckpt, out / "checkpoint.pt")
+    capsys.readouterr()
+    assert script_in_process("train_dp.py", train_args(runs, out, "--resume")) == 2
+    assert capsys.readouterr().err == (f"error: {out}/checkpoint.pt holds weights that are not finite: the checkpoint "
+                                       "is damaged; move it away to resume from the one before it\n")
+
+
 @pytest.mark.parametrize("script, nproc", [("train_dp.py", 0), ("train_ddp.py", 2)])
 def test_a_diverging_run_stops_with_one_line_and_saves_nothing_non_finite(runs, tmp_path, script, nproc, capsys):
     """--lr 100 blows up within a few steps. The run stops at the first non-finite loss or
