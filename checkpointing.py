@@ -73,8 +73,9 @@ def check_writable(out_dir: str, name: str = "--out-dir"):
     out = Path(out_dir).absolute()
     if out.exists() and not out.is_dir():
         raise UsageError(f"{name} {out_dir} exists and is not a folder")
-    for link in (p for p in [out, *out.parents] if p.is_symlink() and not p.exists()):
-        raise UsageError(f"{name} {out_dir}: {link} is a link to {os.readlink(link)}, which does not exist; "
+    dangling = next((p for p in [out, *out.parents] if p.is_symlink() and not p.exists()), None)
+    if dangling:
+        raise UsageError(f"{name} {out_dir}: {dangling} is a link to {os.readlink(dangling)}, which does not exist; "
                          "create that folder or choose another")
     existing = next(p for p in [out, *out.parents] if p.exists())
     if not existing.is_dir():

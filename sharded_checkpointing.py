@@ -198,11 +198,9 @@ def restore(ckpt: dict, model, optimizer) -> None:
     world size changed. The templates come from get_state_dict: a fresh AdamW has no state
     yet, and its own state_dict() would be a template without the moments to load into."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
+    reader = _SafeReader(Path(ckpt["path"]))  # checks .metadata again: a UsageError line of its own
     try:
-        dcp.load({"model": model_state, "optimizer": optimizer_state}, storage_reader=_SafeReader(Path(ckpt["path"])),
-                 planner=_SafePlanner())
-    except UsageError:
-        raise
+        dcp.load({"model": model_state, "optimizer": optimizer_state}, storage_reader=reader, planner=_SafePlanner())
     except Exception as e:  # a shard whose bytes changed after load_latest_checkpoint chose it
         raise UsageError(f"cannot load {ckpt['path']}: {first_line(e)}; move it away to resume from the one "
                          "before it") from None
