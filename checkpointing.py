@@ -205,18 +205,27 @@ def atomic_save(obj, path: Path):
     _fsync_dir(path.parent)
 
 
-def raise_if_disk_full(error: Exception, path: Path, needed: int):
-    """Turn a write that failed for want of space into one UsageError line. torch.save does
-    not always say so itself ("unexpected pos"): then the free space decides."""
+def raise_if_disk_full(error: BaseException, path: Path, needed: int):
+    """Turn a write that failed for want of space into one UsageError line."""
+    message = disk_full(error, path, needed)
+    if message:
+        raise UsageError(message) from None
+
+
+def disk_full(error: BaseException, path: Path, needed: int) -> str | None:
+    """The line for a write of `needed` bytes to `path` that failed for want of space, or None
+    if it failed for another reason. torch.save does not always say so itself ("unexpected
+    pos"): then the free space decides."""
     try:
         free = shutil.disk_usage(path.parent).free
     except OSError:
-        return
+        return None
     if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < needed:
         mount = next(p for p in [path.parent.absolute(), *path.parent.absolute().parents] if os.path.ismount(p))
-        raise UsageError(f"no space left to write {path} (on the disk mounted at {mount}): it needs about "
-                         f"{needed / 1e6:,.1f} MB, {free / 1e6:,.1f} MB are free. Free some space, then run again "
-                         "(with --resume if a checkpoint was saved)") from None
+        return (f"no space left to write {path} (on the disk mounted at {mount}): it needs about "
+                f"{needed / 1e6:,.1f} MB, {free / 1e6:,.1f} MB are free. Free some space, then run again "
+                "(with --resume if a checkpoint was saved)")
+    return None
 
 
 def _nbytes(obj) -> int:

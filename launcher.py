@@ -8,6 +8,7 @@ import datetime
 import inspect
 import json
 import os
+import signal
 import sys
 import time
 
@@ -61,10 +62,35 @@ def _finish_background_work():
             warn(f"the checkpoint being saved was not completed: {first_line(e)}")
 
 
+# A signal before training begins (training.StopSignal takes over then) ends the process at
+# once: there is nothing to save yet. Not by the default action, though: SIGTERM's would kill
+# this process and leave the processes it started (datasets' tokenizing workers) running on
+# without it, and a shell starts a background job with SIGINT ignored. The handler raises
+# KeyboardInterrupt instead, so that what is running ends its workers on its way out.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+_main_pid, _signalled = None, None  # the process exit_on_usage_error runs in; the signal ending it
+
+
+def _end_at_once(signum, frame):
+    global _signalled
+    if os.getpid() != _main_pid:  # a process forked from this one, to prepare data: ours ends it
+        if signum != signal.SIGINT:  # (Ctrl-C reaches it too: our process deals with it)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)  # the default action: how Pool.terminate() ends a worker
+        return
+    if _signalled is None:  # a second signal would interrupt the clean-up the first one began
+        _signalled = signum
+        raise KeyboardInterrupt
+
+
 def exit_on_usage_error(main):
     """Call main(). A UsageError becomes one line on stderr (printed once, by rank 0) and
-    exit status 2. A checkpoint still being written is completed first, and the process
-    group, if any, is destroyed on every way out."""
+    exit status 2; a signal before training begins, one line and 128 + its number. A
+    checkpoint still being written is completed first, and the process group, if any, is
+    destroyed on every way out."""
+    global _main_pid, _signalled
+    _main_pid, _signalled = os.getpid(), None
+    previous = {sig: signal.signal(sig, _end_at_once) for sig in _STOP_SIGNALS}
     try:
         main()
     except UsageError as e:
@@ -73,12 +99,21 @@ def exit_on_usage_error(main):
             print(f"error: {e}", file=sys.stderr)
         tell_torchrun(f"error: {e}")
         sys.exit(2)
-    except KeyboardInterrupt:  # Ctrl-C before training began, or a second one during it
+    except BaseException as e:
+        # Ctrl-C before training began, or a second one during it; or another signal before
+        # training. (A library may turn the KeyboardInterrupt into another error on its way out:
+        # datasets' map does, into a TimeoutError.)
+        signum = _signalled or (signal.SIGINT if isinstance(e, KeyboardInterrupt) else None)
+        if signum is None or isinstance(e, SystemExit):
+            raise
         close_progress_bars()
         if is_rank0():
-            print("interrupted", file=sys.stderr)
-        sys.exit(130)  # what a shell reports for Ctrl-C
+            print("interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}",
+                  file=sys.stderr)
+        sys.exit(128 + signum)  # what a shell reports for a process a signal ended: 130 for Ctrl-C
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
         _finish_background_work()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
-from checkpointing import CheckpointWriter, _fsync_dir, atomic_save, load_pt, sharded_checkpoints, to_prune
+from checkpointing import (CheckpointWriter, _fsync_dir, _nbytes, atomic_save, disk_full, load_pt, sharded_checkpoints,
+                           to_prune)
 from errors import UsageError, first_line
 from launcher import warn
 
@@ -175,15 +176,34 @@ class ShardedCheckpointWriter(CheckpointWriter):
         writer = FileSystemWriter(tmp, per_thread_copy_ahead=0)
         future = dcp.async_save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer,
                                 process_group=self.group)
-        self.thread = threading.Thread(target=self._finish, args=(future, tmp, final, train_state),
+        nbytes = _nbytes([model_state, optimizer_state, train_state])  # a DTensor counts its whole size
+        self.thread = threading.Thread(target=self._finish, args=(future, tmp, final, train_state, nbytes),
                                        name="checkpoint-writer")
         self.thread.start()
 
-    def _finish(self, future, tmp: Path, final: Path, train_state: dict):
+    def _finish(self, future, tmp: Path, final: Path, train_state: dict, nbytes: int):
         try:
-            future.result()  # this rank's shards are written; on rank 0, every rank's and .metadata too
+            error = None
+            try:
+                future.result()  # this rank's shards are written; on rank 0, every rank's and .metadata too
+                if dist.get_rank() == 0:
+                    atomic_save(train_state, tmp / TRAIN_STATE)
+            except BaseException as e:
+                error = e
+            # Every rank learns whether any rank failed, and whether for want of space (which
+            # only the rank that wrote can tell: the disk is full now, not once the partial
+            # folder is gone), so that all of them stop with the same one line.
+            outcome = (error is not None, error and disk_full(_own_failure(error), tmp, nbytes))
+            outcomes = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(outcomes, outcome, group=self.group)
+            if any(failed for failed, _ in outcomes):
+                if dist.get_rank() == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)  # a full disk would stay full
+                full = next((message for _, message in outcomes if message), None)
+                if full:
+                    raise UsageError(full.replace(str(tmp), str(final)))
+                raise error or UsageError(f"saving {final} failed on another rank")
             if dist.get_rank() == 0:
-                atomic_save(train_state, tmp / TRAIN_STATE)
                 shutil.rmtree(final, ignore_errors=True)  # only if a restarted run saves the same step again
                 os.replace(tmp, final)  # the checkpoint becomes visible, complete
                 _fsync_dir(self.out)
@@ -191,6 +211,14 @@ class ShardedCheckpointWriter(CheckpointWriter):
                     shutil.rmtree(old)
         except BaseException as e:  # re-raised in the training thread by wait()
             self.error = e
+
+
+def _own_failure(error: BaseException) -> BaseException:
+    """What failed on this rank: DCP's CheckpointException carries every rank's failure."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and dist.get_rank() in failures:
+        return failures[dist.get_rank()][0]
+    return error
 
 
 def restore(ckpt: dict, model, optimizer) -> None:

@@ -11,11 +11,15 @@ first attempt only: after torchrun restarts the workers, the run goes on unharme
     sigint            SIGINT to this process (Ctrl-C); sigint-twice: two of them (Ctrl-C, Ctrl-C)
     small-disk        the output folder's disk holds FAULT_BYTES: a write beyond that fails with
                       ENOSPC, as on a full disk, and shutil.disk_usage says what is left
+                      (train_fsdp.py: this rank's writes of its shards and .metadata too)
     slow-disk         the first checkpoint write hangs until training reaches FAULT_STEP;
                       a trainer that saved in its training loop would never get there
                       (train_fsdp.py: this rank's first write of its shards)
     slow-prepare      loading the corpus takes FAULT_SECONDS longer than it does (a cold cache:
                       a download, a tokenizer to train); FAULT_STEP is unused
+    slow-tokenizing   tokenizing (a corpus of 10,000 documents or more: one process per 5,000) runs in two processes
+                      forked for it, whatever the cores, and takes ten minutes: each writes
+                      $FAULT_LOG_DIR/tokenizing-<pid> and waits. FAULT_STEP is unused
     diverge-mid-save  (train_fsdp.py, every rank) the loss logged at FAULT_STEP is NaN, while the
                       sharded checkpoint saved before it is still being written: its write
                       waits until the divergence has been raised
@@ -29,6 +33,7 @@ import runpy
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -88,8 +93,6 @@ if "slow-disk" in faults and armed:
     patch(FileSystemWriter, "write_data", slow(FileSystemWriter.write_data))  # train_fsdp.py's shards
 
 if "slow-prepare" in faults and armed:
-    import time
-
     import training
 
     real_load_text = training.load_text
@@ -99,6 +102,20 @@ if "slow-prepare" in faults and armed:
         return real_load_text(*args, **kwargs)
 
     patch(training, "load_text", slow_load_text)
+
+if "slow-tokenizing" in faults and armed:
+    import data
+
+    def slow_encode(batch, **kwargs):
+        Path(os.environ["FAULT_LOG_DIR"], f"tokenizing-{os.getpid()}").touch()
+        time.sleep(600)  # the work itself is slow: nothing waits on it
+        return {"input_ids": [[0]] * len(batch["text"])}
+
+    # pickled to the workers by name, as data._encode (by value, a function of this script would
+    # drag its globals along), and found there patched: they are forked from this process
+    slow_encode.__module__, slow_encode.__qualname__ = "data", "_encode"
+    patch(os, "sched_getaffinity", lambda pid: {0, 1})  # data.tokenize: one process per core
+    patch(data, "_encode", slow_encode)
 
 if "diverge-mid-save" in faults and armed:
     from torch.distributed.checkpoint import FileSystemWriter
@@ -122,6 +139,7 @@ if "diverge-mid-save" in faults and armed:
     patch(FileSystemWriter, "write_data", write_after_divergence)
 
 if "small-disk" in faults and armed:
+    import contextlib
     import errno
     import io
     import shutil
@@ -131,8 +149,8 @@ if "small-disk" in faults and armed:
     capacity = int(os.environ["FAULT_BYTES"])
     out_dir = sys.argv[sys.argv.index("--out-dir") + 1]
 
-    def used():
-        return sum(f.stat().st_size for f in Path(out_dir).iterdir() if f.is_file())
+    def used():  # every rank's files count: they share the disk
+        return sum(f.stat().st_size for f in Path(out_dir).rglob("*") if f.is_file())
 
     class SmallDiskFile(io.FileIO):
         def write(self, b):
@@ -144,10 +162,19 @@ if "small-disk" in faults and armed:
 
     def small_disk_usage(path):
         if os.path.realpath(path).startswith(os.path.realpath(out_dir)):
-            return shutil._ntuple_diskusage(capacity, used(), capacity - used())
+            return shutil._ntuple_diskusage(capacity, used(), max(0, capacity - used()))  # ranks race to fill it
         return real_disk_usage(path)
 
     patch(checkpointing, "open", lambda path, mode: SmallDiskFile(path, mode.replace("b", "")))  # atomic_save's
+    from torch.distributed.checkpoint.filesystem import FileSystem
+    real_create_stream = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def small_disk_stream(self, path, mode):  # what DCP's FileSystemWriter opens
+        with (SmallDiskFile(path, "w") if "w" in mode else real_create_stream(self, path, mode)) as stream:
+            yield stream
+
+    patch(FileSystem, "create_stream", small_disk_stream)
     patch(shutil, "disk_usage", small_disk_usage)
 
 status = "exception"

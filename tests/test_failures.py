@@ -5,15 +5,18 @@ weights or file contents with an uninterrupted run."""
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import checkpointing
 from errors import UsageError
-from conftest import (FAST, REPO, ddp_two_ranks, launch_env, load_weights, max_weight_diff, metrics, run_script,
+from conftest import (FAST, FAST_WITH_TOKENIZER, REPO, ddp_two_ranks, launch_env, load_weights, max_weight_diff, metrics, run_script,
                       script_in_process, stopped_at_step_4, train, without_speed)
 
 
@@ -131,6 +134,67 @@ def test_a_full_disk_is_one_line_leaves_no_temp_file_and_the_run_resumes(runs, t
     train("train_dp.py", train_args(runs, out, "--resume"))
     assert sorted(p.name for p in out.glob("*.tmp")) == ["notes.tmp"]
     assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes pid started, and theirs, from /proc."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        found += children.get(todo.pop(), [])
+        todo += children.get(found[-1], []) if found else []
+    return sorted(set(found))
+
+
+def running(pid: int) -> bool:
+    """Whether pid is a live process (an orphan that ended but was not reaped is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("script", ["train_dp.py", "train_fsdp.py"])
+@pytest.mark.parametrize("signal_name, status, line", [("SIGINT", 130, "interrupted"),
+                                                       ("SIGTERM", 143, "stopped by SIGTERM")])
+def test_a_signal_while_tokenizing_ends_the_run_at_once_with_one_line_and_no_process_left(
+        runs, tmp_path, script, signal_name, status, line):
+    """Ctrl-C or SIGTERM while two forked processes tokenize (for ten minutes): there is nothing
+    to save yet, so the run ends at once (not after training to the end, and not after ten
+    minutes), with one line and the shell's status for that signal, and ends those processes
+    (SIGTERM's default action would leave them running under PID 1). A shell's background job
+    starts with SIGINT ignored: Ctrl-C sent to it by `kill` still counts."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"document {i}, one of many\n" for i in range(11_000)))  # 2 x 5,000 after the val split
+    out, logs = tmp_path / "run", tmp_path / "fault-logs"
+    args = ["--dataset", str(corpus), "--tokenizer", str(runs("dp", "train_dp.py") / "tokenizer.json"),
+            *FAST_WITH_TOKENIZER, "--out-dir", str(out)]
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests/inject_fault.py"), str(REPO / script), *args],
+                            cwd=REPO, env=launch_env(fault_env(tmp_path, "slow-tokenizing", step=0)), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as `cmd &` does
+    started = []
+    try:
+        while len(list(logs.glob("tokenizing-*"))) < 2 and proc.poll() is None:  # both are tokenizing
+            time.sleep(0.05)
+        started = descendants(proc.pid)
+        assert len(started) >= 2, proc.communicate()
+        proc.send_signal(getattr(signal, signal_name))
+        _, stderr = proc.communicate(timeout=60)  # not ten minutes
+        assert proc.returncode == status and stderr.strip().splitlines()[-1] == line, stderr
+        assert "Traceback" not in stderr and exit_codes(tmp_path) == {"exit-rank0": str(status)}
+        assert [pid for pid in started if running(pid)] == []
+    finally:
+        for pid in [proc.pid, *started]:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
 
 
 def test_data_preparation_may_outlast_the_training_timeout(runs, tmp_path):

@@ -209,6 +209,28 @@ def test_an_unreadable_train_state_falls_back_to_the_older_checkpoint(runs, tmp_
     assert capsys.readouterr().err.startswith(f"warning: cannot load checkpoint {state}: ")
 
 
+def test_a_full_disk_during_a_sharded_save_is_one_line_on_every_rank_and_leaves_no_temp_folder(runs, tmp_path):
+    """Rank 1's disk has room for one checkpoint and a half: its shard of step 8 fails with
+    ENOSPC. Every rank exits 2, one line names the checkpoint and the disk (no DCP traceback
+    on any rank), the partial checkpoint-00000008.tmp/ is removed (the disk would stay full),
+    step 4's checkpoint is intact, and --resume, with space again, ends bitwise where an
+    uninterrupted run ends."""
+    reference = fsdp_two_ranks(runs)
+    one_checkpoint = sum(f.stat().st_size for f in (reference / "checkpoint-00000004").iterdir())
+    out = tmp_path / "run"
+    env = {**fault_env(tmp_path, "small-disk", step=0, rank=1), "FAULT_BYTES": str(int(1.5 * one_checkpoint))}
+    proc = run_script("train_fsdp.py", args(runs, out), nproc=2, wrapper="tests/inject_fault.py", env=env,
+                      check=False)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith(("error: ", "[rank"))]  # not torchrun's
+    assert len(ours) == 1 and ours[0].startswith(f"error: no space left to write {out}/checkpoint-00000008 (on the "
+                                                 "disk mounted at /"), proc.stderr
+    assert exit_codes(tmp_path) == {"exit-rank0": "2", "exit-rank1": "2"}
+    assert not list(out.glob("*.tmp")) and not (out / "model.pt").exists()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-00000004"]
+    run_script("train_fsdp.py", args(runs, out, "--resume"), nproc=2)
+    assert_same_weights(out, reference)
+
+
 def saved_after_every_step(runs):
     """2 ranks stopped at step 6 of 8, with a sharded checkpoint after each of steps 1 to 6."""
     return runs("fsdp2_every_step", "train_fsdp.py", ["--save-every", "1", "--keep-checkpoints", "6",
