@@ -345,6 +345,14 @@ def write_run_files(out_dir: str, tokenizer: Tokenizer, model: LlamaForPretraini
     atomic_save(json.dumps(dataclasses.asdict(model.config), indent=2), out / CONFIG)
 
 
+def _shapes(state) -> dict:
+    return {k: v.shape for k, v in state.items() if isinstance(v, torch.Tensor)} if isinstance(state, dict) else {}
+
+
+def _shape(shape) -> str:
+    return "missing" if shape is None else "(" + ", ".join(f"{n:,}" for n in shape) + ")"
+
+
 def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
     """The trained model (in eval mode, on the CPU) and its tokenizer, from an output folder:
     config.json, tokenizer.json and model.pt, or the newest checkpoint while the run is
@@ -353,17 +361,21 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
     if not (out / CONFIG).is_file():
         raise UsageError(f"{out} is not an output folder of train_dp.py/train_ddp.py (no {CONFIG})")
     try:
-        model = LlamaForPretraining(LlamaConfig(**json.loads((out / CONFIG).read_text())))
+        config = LlamaConfig(**json.loads((out / CONFIG).read_text()))
     except (ValueError, TypeError) as e:
         raise UsageError(f"cannot read {out / CONFIG}: {first_line(e)}") from None
+    with torch.device("meta"):  # names and shapes only: config.json may ask for a model no memory holds
+        expected = {name: t.shape for name, t in LlamaForPretraining(config).state_dict().items()}
+    ckpt = None
     if (out / MODEL).is_file():
         state = load_pt(out / MODEL, "weights")
+        saved = _shapes(state)
     elif sharded_checkpoints(out) and not (out / CHECKPOINT).is_file():  # an unfinished train_fsdp.py run
         import sharded_checkpointing  # here: DCP, which the other scripts' folders never need
         ckpt = sharded_checkpointing.load_latest_checkpoint(out)
         warn(f"no {MODEL} in {out} (the run has not finished): using {Path(ckpt['path']).name}, "
              f"step {ckpt['step']}, gathered from its shards")
-        state = sharded_checkpointing.gathered_model(ckpt, model)
+        saved = sharded_checkpointing.model_shapes(ckpt)
     else:
         if not (out / CHECKPOINT).is_file() and not numbered_checkpoints(out):
             raise UsageError(f"{out} holds no {MODEL} and no checkpoint: nothing trained yet")
@@ -371,6 +383,15 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
         warn(f"no {MODEL} in {out} (the run has not finished): using {Path(ckpt['path']).name}, "
              f"step {ckpt['step']}")
         state = ckpt["model"]
+        saved = _shapes(state)
+    if saved != expected:  # before the model is allocated
+        name = next((k for k in expected if saved.get(k) != expected[k]), None) or next(k for k in saved
+                                                                                     if k not in expected)
+        raise UsageError(f"the weights in {out} do not fit its {CONFIG}: {name} is "
+                         f"{_shape(saved.get(name))} in the weights, {_shape(expected.get(name))} by {CONFIG}")
+    model = LlamaForPretraining(config)
+    if ckpt is not None and ckpt.get("sharded"):
+        state = sharded_checkpointing.gathered_model(ckpt, model)
     try:
         model.load_state_dict(state)
     except (RuntimeError, AttributeError) as e:

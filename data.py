@@ -268,6 +268,12 @@ def load_tokenizer(path: str) -> Tokenizer:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as e:
         raise UsageError(f"cannot load tokenizer {path}: {first_line(e)}") from None
+    # The model has one embedding row per token, ids 0 to size - 1: a larger id would fail
+    # mid-training (an index out of range), and a huge one makes to_str() build a list that long.
+    largest = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+    if largest >= tokenizer.get_vocab_size():
+        raise UsageError(f"tokenizer {path} has {tokenizer.get_vocab_size():,} tokens but ids up to {largest:,}: "
+                         "a tokenizer whose ids have gaps is not supported (ids must run from 0 to its size - 1)")
     missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
     if missing:
         raise UsageError(f"tokenizer {path} lacks the special tokens {', '.join(missing)}")

@@ -235,6 +235,13 @@ def restore(ckpt: dict, model, optimizer) -> None:
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
 
 
+def model_shapes(ckpt: dict) -> dict:
+    """The shape of every model weight in a sharded checkpoint, from its .metadata."""
+    metadata = read_metadata(Path(ckpt["path"])).state_dict_metadata
+    return {name.removeprefix("model."): getattr(meta, "size", None) for name, meta in metadata.items()
+            if name.startswith("model.")}
+
+
 def gathered_model(ckpt: dict, model) -> dict:
     """The whole model's weights from a sharded checkpoint, in one process without a process
     group (generate.py, export_hf.py on an unfinished run): DCP reshards every tensor to a

@@ -83,6 +83,10 @@ FRESH_RUN_CASES = [
      "column 'meta' of dataset"),
     ("wordlevel-tokenizer-without-unk", "train_dp.py", ["--tokenizer", "{wordlevel}"],
      "is a WordLevel tokenizer without its unknown token ('[UNK]' is not in its vocabulary)"),
+    ("tokenizer-with-a-gap-in-its-ids", "train_dp.py", ["--tokenizer", "{gap}"],  # was an IndexError at step 1
+     "has 5 tokens but ids up to 450: a tokenizer whose ids have gaps is not supported"),
+    ("tokenizer-with-a-huge-id", "train_fsdp.py", ["--tokenizer", "{huge_id}"],  # was minutes and gigabytes
+     "has 5 tokens but ids up to 1,000,000,000"),
 ]
 
 
@@ -98,8 +102,14 @@ def test_bad_invocation_of_a_new_run(tmp_path, corpus, plain_tokenizer, case, sc
     wordlevel = Tokenizer(models.WordLevel({"[PAD]": 0, "[BOT]": 1, "[EOT]": 2, "the": 3}, unk_token="[UNK]"))
     wordlevel.pre_tokenizer = pre_tokenizers.Whitespace()
     wordlevel.save(str(tmp_path / "wordlevel.json"))
+    for name, the in (("gap", 450), ("huge_id", 10**9)):
+        gappy = Tokenizer(models.WordLevel({"[PAD]": 0, "[BOT]": 1, "[EOT]": 2, "[UNK]": 3, "the": the},
+                                           unk_token="[UNK]"))
+        gappy.pre_tokenizer = pre_tokenizers.Whitespace()
+        gappy.save(str(tmp_path / f"{name}.json"))
     fill = {"{empty}": str(tmp_path / "empty.txt"), "{jsonl}": str(tmp_path / "c.jsonl"),
-            "{wordlevel}": str(tmp_path / "wordlevel.json"),
+            "{wordlevel}": str(tmp_path / "wordlevel.json"), "{gap}": str(tmp_path / "gap.json"),
+            "{huge_id}": str(tmp_path / "huge_id.json"),
             "{plain_tokenizer}": str(plain_tokenizer), "{numbers}": str(tmp_path / "numbers.jsonl"),
             "{lists}": str(tmp_path / "lists.jsonl"), "{nested}": str(tmp_path / "nested.jsonl")}
     out = tmp_path / "out"

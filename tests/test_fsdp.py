@@ -11,11 +11,13 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 import checkpointing
+import export_hf
 import generate
+from errors import UsageError
 from conftest import (BF16, FAST, FLOOR_MULTIPLE, assert_follows_in_bf16, assert_same_model, assert_same_weights,
                       assert_within, ddp_two_ranks, load_weights, max_weight_diff, metrics, run_script, spied,
                       stopped_at_step_4, train)
-from test_using_the_model import expected_text
+from test_using_the_model import config_asking_for, expected_text
 from test_bad_inputs import refused_in_process
 from test_failures import RunsCode, exit_codes, fault_env
 
@@ -95,6 +97,18 @@ def test_an_unfinished_run_is_sampled_from_its_newest_sharded_checkpoint_gathere
     one_process = torch.load(stopped_at_step_4(runs, tmp_path) / "checkpoint.pt", map_location="cpu",
                              weights_only=True)["model"]
     assert_within("weights", max_weight_diff(model.state_dict(), one_process), floor.weights, FLOOR_MULTIPLE)
+
+
+def test_a_config_that_does_not_fit_the_sharded_weights_is_refused_before_the_model_is_allocated(runs, tmp_path):
+    """The same check for an unfinished FSDP run: the shapes come from the .metadata."""
+    out = runs.copy(fsdp_two_ranks(runs), tmp_path / "run")
+    (out / "model.pt").unlink()
+    config_asking_for(out, intermediate_size=10**12)
+    with pytest.raises(UsageError, match=re.escape(
+            f"the weights in {out} do not fit its config.json: base_model.layers.0.mlp.gate_proj.weight is "
+            "(1,024, 256) in the weights, (1,000,000,000,000, 256) by config.json")):
+        export_hf.main([str(out), str(tmp_path / "hf")])
+    assert not (tmp_path / "hf").exists()
 
 
 def test_only_rank_0_writes_the_run_files_and_each_rank_only_its_own_shards(runs):

@@ -140,6 +140,27 @@ def test_generate_refuses_bad_input(trained, tmp_path, argv, message):
         generate.main([fill.get(a, a) for a in argv])
 
 
+def config_asking_for(out: Path, **changes):
+    config = out / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), **changes}))
+
+
+@pytest.mark.parametrize("weights", ["model.pt", "checkpoint.pt"])
+def test_a_config_that_does_not_fit_the_weights_is_refused_before_the_model_is_allocated(trained, tmp_path, weights):
+    """config.json asking for a vocabulary of 10^12 (4 PB of embedding) next to the weights of
+    a 300-token model: the shapes are compared on the meta device, and the line says which
+    weight differs, instead of an allocation that fails (or, at 3 million tokens, one of 6 GB
+    that succeeds, only to be refused later)."""
+    out = shutil.copytree(trained, tmp_path / "run")
+    if weights == "checkpoint.pt":  # an unfinished run: its newest checkpoint
+        (out / "model.pt").unlink()
+    config_asking_for(out, vocab_size=10**12)
+    with pytest.raises(UsageError, match=re.escape(
+            f"the weights in {out} do not fit its config.json: base_model.embed_tokens.weight is (300, 256) in "
+            "the weights, (1,000,000,000,000, 256) by config.json")):
+        generate.main([str(out)])
+
+
 def test_a_prompt_that_spells_out_a_special_token_is_text(trained, capsys):
     """"[EOT]" typed in a prompt is not the end of a document: it is encoded, and printed, as text."""
     generate.main([str(trained), "--prompt", "a [EOT] b [BOT]", "--temperature", "0", "--max-new-tokens", "3"])
