@@ -39,6 +39,10 @@ KNOWN_FILES = f"{'/'.join(FILE_BUILDERS)} (optionally {'/'.join(COMPRESSIONS)})"
 # The tokenizer is trained on at most this much text: plenty for a BPE, and it keeps a
 # run on a 10B-token corpus from spending hours on tokenizer training.
 TOKENIZER_TRAIN_CHARS = 200_000_000
+# The BPE trainer splits each text it is given into words all at once, at about 80 bytes of
+# memory a character: a 45 MB document took 4 GB. It is given long documents in pieces cut
+# between words, and counts the same words.
+TOKENIZER_PIECE_CHARS = 100_000
 
 
 # ---------------------------------------------------------------------------------------
@@ -245,7 +249,8 @@ def default_val_docs(n_docs: int) -> int:
 def train_tokenizer(texts: datasets.Dataset, vocab_size: int) -> Tokenizer:
     """Train a byte-level BPE (every string is encodable, no unknown token) on `texts`."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # (not tokenizer's: it is busy training)
+    tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -254,7 +259,7 @@ def train_tokenizer(texts: datasets.Dataset, vocab_size: int) -> Tokenizer:
     def batches():
         seen = 0
         for batch in texts.iter(batch_size=1000):
-            yield batch["text"]
+            yield [piece for text in batch["text"] for piece in pieces(text, TOKENIZER_PIECE_CHARS, pre_tokenizer)]
             seen += sum(map(len, batch["text"]))
             if seen >= TOKENIZER_TRAIN_CHARS:
                 return
@@ -329,6 +334,16 @@ def clip_text(text: str, chars: int, pre_tokenizer=None) -> tuple[str, bool]:
         if starts:
             return text[:starts[0]], True
     return text[:end], False
+
+
+def pieces(text: str, chars: int, pre_tokenizer):
+    """text, cut into pieces of `chars` to 2 x `chars` characters where no token changes (see
+    clip_text): the pre-tokenizer splits them into the words it splits the whole text into."""
+    start = 0
+    while start < len(text):
+        piece, _ = clip_text(text[start:start + 2 * chars + 16], chars, pre_tokenizer)  # a window: no copy of the rest
+        yield piece
+        start += len(piece)
 
 
 def encode_clipped(tokenizer: Tokenizer, text: str, chars: int, need: int) -> list[int]:

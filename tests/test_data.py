@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import data
 from data import BOT, EOT, PAD, PaddedSequenceDataset, ResumableDistributedSampler
@@ -155,6 +156,30 @@ def test_a_huge_document_is_clipped_before_it_is_encoded(tokenizer):
     assert framed == whole_document_ids([huge[:10_000], minified[:10_000], letters[:100_000], DOCS[0]],
                                         tokenizer, 32)
     assert max(seen) < 2_000  # never the whole document
+
+
+def test_the_bpe_trainer_reads_long_documents_in_pieces_and_learns_what_it_learns_from_them_whole(monkeypatch):
+    """Given one 45 MB document whole, the BPE trainer took 4 GB. It is given pieces cut
+    between words instead, here of 1,000 to 2,000 characters: it counts the same words, so it
+    learns the same tokenizer as the plain formulation, the trainer given each document whole."""
+    texts = [" ".join(hostile_texts(400)), "".join(unbroken_texts()), "the model reads tokens " * 3_000, *DOCS]
+    whole = Tokenizer(models.BPE())
+    whole.pre_tokenizer, whole.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    whole.train_from_iterator([texts], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=data.SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    given = []
+    real_train = Tokenizer.train_from_iterator
+
+    def recording(self, iterator, trainer):
+        return real_train(self, (given.append(list(batch)) or batch for batch in iterator), trainer)
+
+    monkeypatch.setattr(Tokenizer, "train_from_iterator", recording)
+    monkeypatch.setattr(data, "TOKENIZER_PIECE_CHARS", 1_000)
+    pieced = data.train_tokenizer(datasets.Dataset.from_dict({"text": texts}), vocab_size=400)
+    assert max(map(len, texts)) > 60_000 and max(len(piece) for batch in given for piece in batch) <= 2_016
+    assert "".join(piece for batch in given for piece in batch) == "".join(texts)
+    assert pieced.to_str() == whole.to_str()
 
 
 def test_a_tokenizer_that_cutting_could_change_encodes_whole_documents():
