@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 import checkpointing
 import launcher
+import memory
 import training
 from data import ResumableDistributedSampler
 from model import IGNORE_INDEX
@@ -49,7 +50,10 @@ def main():
 
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
     # DDP: local rank 0 of each node prepares the data first; the others then read its cache
-    ckpt, tokenizer, train_ds, val_ds = training.prepare_data(cfg, launcher.InTurns(prep, local_rank))
+    # a model too big for this device's memory is refused once the vocabulary is known
+    model_fits = memory.Check(cfg.model, micro_batch, cfg.seq_len, dtype, device)
+    ckpt, tokenizer, train_ds, val_ds = training.prepare_data(cfg, launcher.InTurns(prep, local_rank),
+                                                              model_fits=model_fits)
     steps_per_epoch = len(train_ds) // cfg.batch_size  # full global batches only
     total_steps = training.total_steps(cfg, steps_per_epoch)
 

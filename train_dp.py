@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 import checkpointing
 import launcher
+import memory
 import training
 from data import ResumableDistributedSampler
 from errors import UsageError
@@ -36,7 +37,9 @@ def main():
     dtype = training.compute_dtype(cfg.dtype, device)  # matmuls in dtype; weights and loss stay fp32
 
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
-    ckpt, tokenizer, train_ds, val_ds = training.prepare_data(cfg)
+    # a model too big for this device's memory is refused once the vocabulary is known
+    model_fits = memory.Check(cfg.model, micro_batch, cfg.seq_len, dtype, device)
+    ckpt, tokenizer, train_ds, val_ds = training.prepare_data(cfg, model_fits=model_fits)
     steps_per_epoch = len(train_ds) // cfg.batch_size  # full global batches only
     total_steps = training.total_steps(cfg, steps_per_epoch)
 

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 import checkpointing
 import launcher
+import memory
 import sharded_checkpointing
 import training
 from data import ResumableDistributedSampler
@@ -69,7 +70,11 @@ def main():
 
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
     # DDP: local rank 0 of each node prepares the data first; the others then read its cache
-    ckpt, tokenizer, train_ds, val_ds = training.prepare_data(cfg, launcher.InTurns(prep, local_rank), sharded=True)
+    # a model too big for this device's memory is refused once the vocabulary is known
+    model_fits = memory.Check(cfg.model, micro_batch, cfg.seq_len, dtype, device,
+                              shards=world_size)  # FSDP: each rank holds 1/world_size of the state
+    ckpt, tokenizer, train_ds, val_ds = training.prepare_data(cfg, launcher.InTurns(prep, local_rank), sharded=True,
+                                                              model_fits=model_fits)
     steps_per_epoch = len(train_ds) // cfg.batch_size  # full global batches only
     total_steps = training.total_steps(cfg, steps_per_epoch)
 

@@ -43,15 +43,18 @@ class OneProcess:
     local_rank0_first = from_rank0 = everywhere
 
 
-def prepare_data(cfg: TrainConfig, turns=OneProcess(), sharded: bool = False):
+def prepare_data(cfg: TrainConfig, turns=OneProcess(), sharded: bool = False, model_fits=None):
     """The checkpoint to resume from (None for a new run), the tokenizer, and the training
     and held-out datasets. Tokenized once: `datasets` caches the result on disk. sharded:
-    the run's checkpoints are train_fsdp.py's."""
+    the run's checkpoints are train_fsdp.py's. model_fits (a memory.Check): called with the
+    vocabulary size, as soon as it is known."""
     resuming = turns.everywhere(lambda: checkpointing.resuming(cfg.out_dir, cfg.resume))  # refuses to overwrite a run
     ckpt = turns.everywhere(lambda: load_run(cfg.out_dir, sharded)) if resuming else None
     train_text, val_text, corpus = turns.local_rank0_first(lambda: load_text(cfg, ckpt))
     # one tokenizer for the whole job: rank 0 trains (or loads) it and sends it to all
     tokenizer = Tokenizer.from_str(turns.from_rank0(lambda: get_tokenizer(cfg, train_text, resuming).to_str()))
+    if model_fits:  # a model too big for the device is refused before tokenizing, and before anything is written
+        turns.everywhere(lambda: model_fits(tokenizer.get_vocab_size()))
     train_ds, val_ds = turns.local_rank0_first(lambda: make_datasets(cfg, tokenizer, train_text, val_text, corpus))
     turns.everywhere(lambda: claim_out_dir(cfg, ckpt))  # only now: a refused run creates nothing
     return ckpt, tokenizer, train_ds, val_ds

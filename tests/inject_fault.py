@@ -23,6 +23,8 @@ first attempt only: after torchrun restarts the workers, the run goes on unharme
     diverge-mid-save  (train_fsdp.py, every rank) the loss logged at FAULT_STEP is NaN, while the
                       sharded checkpoint saved before it is still being written: its write
                       waits until the divergence has been raised
+    small-memory      this rank's device holds FAULT_BYTES of memory, all of it available
+                      (memory.device_memory); FAULT_STEP is unused
     none              no fault: the run as it is, only recorded
 Each process records how it ended in $FAULT_LOG_DIR/exit-rank<RANK>.txt. Whatever the fault
 patched is restored when the script ends, so that a test can run this in its own process.
@@ -137,6 +139,11 @@ if "diverge-mid-save" in faults and armed:
 
     patch(training, "stop_if_diverged", nan_at_step)
     patch(FileSystemWriter, "write_data", write_after_divergence)
+
+if "small-memory" in faults and armed:
+    import memory
+
+    patch(memory, "device_memory", lambda device: (int(os.environ["FAULT_BYTES"]),) * 2)
 
 if "small-disk" in faults and armed:
     import contextlib

@@ -324,6 +324,7 @@ def test_a_stray_rank_variable_outside_torchrun_hides_no_error(tmp_path, script,
 
 
 @pytest.mark.parametrize("script, variables", [("train_ddp.py", {"WORLD_SIZE": "2"}),
+                                               ("train_fsdp.py", {"RANK": "0"}),
                                                ("train_fsdp.py", {"RANK": "0", "WORLD_SIZE": "2"})])
 def test_rank_variables_without_torchrun_are_one_line_not_a_hang(tmp_path, corpus, script, variables):
     """`WORLD_SIZE=2 python train_ddp.py` would wait 30 minutes for a second rank that nothing
@@ -334,7 +335,8 @@ def test_rank_variables_without_torchrun_are_one_line_not_a_hang(tmp_path, corpu
                       timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
-        f"error: RANK={variables.get('RANK', '(unset)')} WORLD_SIZE=2 without MASTER_ADDR and MASTER_PORT: start "
+        f"error: RANK={variables.get('RANK', '(unset)')} WORLD_SIZE={variables.get('WORLD_SIZE', '(unset)')} without "
+        "MASTER_ADDR and MASTER_PORT: start "
         "the ranks with torchrun, or unset RANK and WORLD_SIZE to train as one process"]
     assert not out.exists()
 

@@ -223,25 +223,26 @@ def test_an_unreadable_train_state_falls_back_to_the_older_checkpoint(runs, tmp_
     assert capsys.readouterr().err.startswith(f"warning: cannot load checkpoint {state}: ")
 
 
-def test_a_full_disk_during_a_sharded_save_is_one_line_on_every_rank_and_leaves_no_temp_folder(runs, tmp_path):
-    """Rank 1's disk has room for one checkpoint and a half: its shard of step 8 fails with
-    ENOSPC. Every rank exits 2, one line names the checkpoint and the disk (no DCP traceback
-    on any rank), the partial checkpoint-00000008.tmp/ is removed (the disk would stay full),
-    step 4's checkpoint is intact, and --resume, with space again, ends bitwise where an
-    uninterrupted run ends."""
-    reference = fsdp_two_ranks(runs)
+@pytest.mark.parametrize("nproc", [2, 0])  # 0: `python train_fsdp.py`, a world of one
+def test_a_full_disk_during_a_sharded_save_is_one_line_on_every_rank_and_leaves_no_temp_folder(runs, tmp_path, nproc):
+    """The last rank's disk has room for one checkpoint and a half: its shard of step 8 fails
+    with ENOSPC. Every rank exits 2, one line names the checkpoint and the disk (no DCP
+    traceback on any rank; in one process it blamed metrics.jsonl), the partial
+    checkpoint-00000008.tmp/ is removed (the disk would stay full), step 4's checkpoint is
+    intact, and --resume, with space again, ends bitwise where an uninterrupted run ends."""
+    reference = fsdp_two_ranks(runs) if nproc else runs("fsdp1", "train_fsdp.py")
     one_checkpoint = sum(f.stat().st_size for f in (reference / "checkpoint-00000004").iterdir())
-    out = tmp_path / "run"
-    env = {**fault_env(tmp_path, "small-disk", step=0, rank=1), "FAULT_BYTES": str(int(1.5 * one_checkpoint))}
-    proc = run_script("train_fsdp.py", args(runs, out), nproc=2, wrapper="tests/inject_fault.py", env=env,
+    out, last_rank = tmp_path / "run", max(nproc, 1) - 1
+    env = {**fault_env(tmp_path, "small-disk", step=0, rank=last_rank), "FAULT_BYTES": str(int(1.5 * one_checkpoint))}
+    proc = run_script("train_fsdp.py", args(runs, out), nproc=nproc, wrapper="tests/inject_fault.py", env=env,
                       check=False)
     ours = [line for line in proc.stderr.splitlines() if line.startswith(("error: ", "[rank"))]  # not torchrun's
     assert len(ours) == 1 and ours[0].startswith(f"error: no space left to write {out}/checkpoint-00000008 (on the "
                                                  "disk mounted at /"), proc.stderr
-    assert exit_codes(tmp_path) == {"exit-rank0": "2", "exit-rank1": "2"}
+    assert exit_codes(tmp_path) == {f"exit-rank{rank}": "2" for rank in range(last_rank + 1)}
     assert not list(out.glob("*.tmp")) and not (out / "model.pt").exists()
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-00000004"]
-    run_script("train_fsdp.py", args(runs, out, "--resume"), nproc=2)
+    run_script("train_fsdp.py", args(runs, out, "--resume"), nproc=nproc)
     assert_same_weights(out, reference)
 
 
@@ -291,17 +292,23 @@ def test_a_run_that_fell_back_never_prunes_its_way_down_to_the_unreadable_checkp
     """The newest checkpoint (6) unreadable and 5 gone: a resume falls back to 4, saves 5 and
     keeps one checkpoint. Pruning by count would keep only the unreadable 6; it prunes only
     checkpoints up to the one it saved, and names that one. The next resume passes over 6
-    for 5 and ends where the uninterrupted run ended."""
+    for 5 and ends where the uninterrupted run ended. (6's train_state.pt is crafted to run
+    code: it runs none, and the warning does not pass on torch's advice to load it unsafely.)"""
     out = runs.copy(saved_after_every_step(runs), tmp_path / "run")
-    (out / "checkpoint-00000006" / "train_state.pt").write_bytes(os.urandom(1000))
+    ran = tmp_path / "the-code-ran"
+    torch.save(RunsCode(ran), out / "checkpoint-00000006" / "train_state.pt")
     shutil.rmtree(out / "checkpoint-00000005")
     proc = run_script("train_fsdp.py", args(runs, out, "--resume", "--keep-checkpoints", "1", "--stop-at-step", "5"),
                       nproc=2)
+    assert not ran.exists() and "weights_only" not in proc.stderr
+    assert (f"warning: cannot load checkpoint {out}/checkpoint-00000006/train_state.pt: refused: it holds more than "
+            "tensors and plain values") in proc.stderr
     assert f"checkpoint saved in {out}/checkpoint-00000005; continue with --resume" in proc.stdout
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-00000005", "checkpoint-00000006"]
     proc = run_script("train_fsdp.py", args(runs, out, "--resume"), nproc=2)
     assert f"resumed from {out}/checkpoint-00000005 at step 5" in proc.stdout
     assert_same_weights(out, fsdp_two_ranks(runs))
+    assert not list(out.glob("*.tmp"))  # no temp folder stays
 
 
 @pytest.mark.compile

@@ -1,0 +1,148 @@
+"""A run that cannot fit in memory is refused with one line, and one that may not fit is
+warned about, once the vocabulary is known: before the corpus is tokenized, and before
+anything is written (memory.py). The estimate behind both is checked against what a
+training step really holds."""
+
+import os
+
+import pytest
+import torch
+
+import checkpointing
+import memory
+import training
+from conftest import FAST, run_script, script_in_process, train
+from errors import UsageError
+from model import PRESETS, LlamaConfig, LlamaForPretraining
+from test_bad_inputs import refused_in_process
+
+
+def saved_for_backward(model, x, y) -> int:
+    """Bytes of the tensors autograd saves in one forward, the weights themselves left out."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, y)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in storages.items() if ptr not in weights)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab_size", [64, 16384])  # the decoder layers alone; and with a large LM head
+def test_the_activation_estimate_bounds_what_autograd_saves_per_token(vocab_size, dtype):
+    """Measured at two batch sizes: the difference is what each token adds, and what stays is
+    autocast's bf16 copy of every matmul weight (and RoPE's tables). The estimate per token is
+    at least what is saved, and at most 1.5 times it plus the LM head's two gradients in
+    backward (4 bytes a vocabulary entry each), which are made then, not saved."""
+    config = LlamaConfig(vocab_size=vocab_size, **PRESETS["tiny"])
+    torch.manual_seed(0)
+    model = LlamaForPretraining(config)
+    model.compute_dtype = dtype
+    T, saved = 64, {}
+    for B in (2, 4):
+        x = torch.randint(0, vocab_size, (B, T))
+        saved[B] = saved_for_backward(model, x, x)
+    per_token = (saved[4] - saved[2]) / (2 * T)
+    estimated = memory.activation_bytes_per_token(config, dtype)
+    assert per_token <= estimated <= 1.5 * per_token + 2 * 4 * vocab_size, (per_token, estimated)
+
+    fixed = saved[2] - 2 * T * per_token  # the weights' bf16 copies, RoPE's tables, a few scalars
+    rope_tables = sum(b.numel() * b.element_size() for b in model.buffers())
+    copies = memory.estimate(config, 2, T, dtype, on_gpu=True).transient  # no AdamW temporaries
+    assert copies == pytest.approx(fixed - rope_tables, abs=256), (copies, fixed - rope_tables)
+
+
+def test_the_state_estimate_is_what_weights_gradients_adamw_and_a_save_hold_after_a_step():
+    cfg = training.parse_args(["--vocab-size", "300"])
+    model = training.build_model(cfg, 300, torch.float32)
+    optimizer, scheduler = training.make_optimizer(model, cfg, total_steps=10)
+    x = torch.randint(0, 300, (2, 16))
+    (model(x, x)[0].sum()).backward()
+    optimizer.step()
+    need = memory.estimate(model.config, 2, 16, torch.float32)
+    held = [*model.parameters(), *(p.grad for p in model.parameters()),
+            *(t for state in optimizer.state.values() for t in state.values() if t.dim() > 0)]  # not `step`
+    assert need.state == sum(t.numel() * t.element_size() for t in held)
+    dataset = type("Dataset", (), {"__len__": lambda self: 80, "corpus": None})()
+    snapshot = checkpointing._cpu_copy(checkpointing.checkpoint_state(model, optimizer, scheduler, cfg, 1, dataset))
+    tensors = [*snapshot["model"].values(), *(t for state in snapshot["optimizer"]["state"].values()
+                                              for t in state.values() if t.dim() > 0)]
+    assert need.snapshot == sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_fsdp_holds_a_share_of_the_state_but_builds_the_whole_model_first():
+    config = LlamaConfig(vocab_size=300, **PRESETS["tiny"])
+    one, eight = (memory.estimate(config, 8, 32, torch.float32, shards=n) for n in (1, 8))
+    assert (eight.state, eight.snapshot) == (one.state // 8, one.snapshot // 8)
+    assert eight.activations == one.activations  # the micro-batch's, whatever holds the weights
+    assert one.build == 0 and eight.fixed == eight.build == 4 * one.parameters  # more than its 28 / 8 a parameter
+
+
+def test_this_machine_has_memory_and_each_rank_here_gets_its_share(monkeypatch):
+    total, available = memory.device_memory(torch.device("cpu"))
+    assert 0 < available <= total <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun started 2 ranks on this machine
+    assert memory.device_memory(torch.device("cpu"))[0] == total // 2
+
+
+@pytest.fixture
+def device_with(monkeypatch):
+    """device_with(total=..., available=...): the device's memory, each a function of the
+    estimate the check makes (its vocabulary is the trained tokenizer's). stop_at_tokenizing:
+    tokenizing the corpus ends the run with a line of its own, as the check has let it through."""
+    def set_memory(total, available, stop_at_tokenizing=True):
+        seen = []
+        real_estimate = memory.estimate
+        monkeypatch.setattr(memory, "estimate", lambda *a, **k: seen.append(real_estimate(*a, **k)) or seen[-1])
+        monkeypatch.setattr(memory, "device_memory", lambda device: (total(seen[-1]), available(seen[-1])))
+        if stop_at_tokenizing:
+            def not_yet(*args):
+                raise UsageError("the corpus would be tokenized now")
+            monkeypatch.setattr(training, "make_datasets", not_yet)
+    return set_memory
+
+
+@pytest.mark.parametrize("script", ["train_dp.py", "train_ddp.py", "train_fsdp.py"])
+def test_a_model_whose_state_cannot_fit_is_refused_before_tokenizing_or_writing(script, tmp_path, corpus, capsys,
+                                                                               device_with):
+    """The issue's case: a 2-million-token tokenizer made `tiny` a 1-billion-parameter model,
+    which the kernel killed after minutes, leaving files behind."""
+    device_with(total=lambda need: need.fixed - 1, available=lambda need: need.fixed - 1)
+    refused_in_process(script, ["--dataset", str(corpus), *FAST], tmp_path / "out", "the model cannot fit: its",
+                       capsys)
+    assert not (tmp_path / "out").exists()
+
+    device_with(total=lambda need: need.fixed, available=lambda need: need.total)  # just fits: no word about it
+    refused_in_process(script, ["--dataset", str(corpus), *FAST], tmp_path / "out",
+                       "the corpus would be tokenized now", capsys)
+
+
+def test_a_run_that_may_not_fit_is_warned_about_once_and_trains(tmp_path, corpus, capsys, device_with):
+    """The issue's other case: --seq-len 1024 --batch-size 2048 on `tiny` was killed after
+    minutes with nothing said. Activations are the rough part of the estimate, so the run goes
+    on: the user may know better."""
+    device_with(total=lambda need: need.fixed, available=lambda need: need.total - 1, stop_at_tokenizing=False)
+    train("train_dp.py", ["--dataset", str(corpus), *FAST, "--out-dir", str(tmp_path / "out")])
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: this run may not fit in memory: it needs about ")
+    assert "of activations for 8 x 32 tokens a micro-step" in warnings[0]
+    assert (tmp_path / "out" / "model.pt").exists()
+
+
+def test_under_torchrun_one_rank_short_of_memory_ends_every_rank_with_one_line(tmp_path, corpus):
+    """FSDP on 2 ranks; only rank 1's device is too small (1 MB). Both ranks exit 2 in the same
+    turn of data preparation, rank 0 prints the line, and no folder is made."""
+    from test_failures import exit_codes, fault_env
+    out = tmp_path / "out"
+    proc = run_script("train_fsdp.py", ["--dataset", str(corpus), *FAST, "--out-dir", str(out)], nproc=2,
+                      check=False, timeout=120, wrapper="tests/inject_fault.py",
+                      env={**fault_env(tmp_path, "small-memory", step=0, rank=1), "FAULT_BYTES": "1000000"})
+    assert exit_codes(tmp_path) == {"exit-rank0": "2", "exit-rank1": "2"}
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: the model cannot fit: its ")
+    assert "this process has 1.0 MB of CPU memory" in errors[0]
+    assert not out.exists()
