@@ -49,6 +49,8 @@ class TrainConfig:
     dtype: str = flag("auto", "compute dtype; weights and optimizer state stay fp32. auto: bf16 on GPUs with "
                       "native bf16 and on CPUs with AMX, else fp32", choices=["auto", "fp32", "bf16"])
     compile: bool = flag(False, "torch.compile the model (the inner module, before DDP wraps it)")
+    activation_checkpointing: bool = flag(False, "keep only each decoder layer's input for backward and recompute "
+                                          "the rest there: less memory, one more forward of the layers")
     seq_len: int | None = flag(None, "tokens per sequence", minimum=1, same_on_resume=True, type=int)
     batch_size: int | None = flag(None, "GLOBAL sequences per optimizer step (all ranks, all micro-batches)",
                                   minimum=1, same_on_resume=True, type=int)

@@ -12,13 +12,17 @@ Per process, in bytes:
   parameter (FSDP: of this rank's shards), held while training goes on. Every run saves at
   least once, at its end. On a GPU it is host memory, not the device's.
 - what comes and goes with each step: AdamW's unfused step (on a CPU) makes two temporaries
-  the size of the largest weight; under autocast every matmul weight has a bf16 copy from
-  forward until backward (FSDP instead gathers two of its groups at a time, in bf16).
-- the activations: what autograd saves for backward, per token of a micro-batch, for each
-  layer (4 x intermediate + 10 x hidden) values in the compute dtype plus the RMSNorms' fp32
-  copies, and for the LM head 3 x vocabulary fp32 values (the logits' log-softmax, and in
-  backward two gradients of its size). tests/test_memory.py checks it against what autograd
-  really saves.
+  the size of the largest weight; under autocast every decoder matmul weight has a bf16
+  copy from forward until backward (with activation checkpointing only the recomputed
+  layer's; FSDP instead gathers two of its groups at a time, in bf16); the chunked loss
+  holds one chunk of logits.
+- the activations: what autograd saves for backward, per token of a micro-batch. Each layer
+  keeps (4 x intermediate + 10 x hidden) values in the compute dtype and its RMSNorms' fp32
+  copies; with activation checkpointing only its fp32 input (hidden values), and backward
+  makes one layer's worth again at a time. The final norm keeps its input and output. The
+  chunked LM head keeps the hidden states' gradient, and one chunk of logits at a time (chunked_loss.py); compiled, the plain
+  formulation keeps the logits in the compute dtype and makes their gradient in backward.
+  tests/test_memory.py checks this against what autograd really saves.
 """
 
 import os
@@ -26,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+import chunked_loss
+from config import TrainConfig
 from errors import UsageError
 from launcher import warn
 from model import PRESETS, LlamaConfig, LlamaForPretraining
@@ -39,8 +45,15 @@ class Estimate:
     state: int  # weights, gradients and AdamW's moments that this process holds while it trains
     snapshot: int  # a save's CPU copy of weights and moments, when that is the device's memory (else 0)
     build: int  # FSDP: the whole fp32 model, built on every rank before it is sharded (0 otherwise)
-    transient: int  # the most held beside the state and activations at once (see above)
+    optimizer_temporaries: int  # AdamW's unfused step (a CPU): two of the largest weight's size
+    copies: int  # weights in the compute dtype: autocast's copies, or FSDP's two gathered groups
+    logits: int  # the chunked loss's one chunk of logits, fp32 (and its compute-dtype matmul output)
     activations: int  # saved for backward by one micro-batch
+
+    @property
+    def transient(self) -> int:
+        """The most held beside the state and the activations at once."""
+        return self.optimizer_temporaries + self.copies + self.logits
 
     @property
     def fixed(self) -> int:
@@ -52,35 +65,44 @@ class Estimate:
         return max(self.state + self.snapshot + self.transient + self.activations, self.build)
 
 
-def activation_bytes_per_token(config: LlamaConfig, dtype: torch.dtype) -> int:
+def activation_bytes_per_token(config: LlamaConfig, dtype: torch.dtype, checkpointing: bool = False,
+                               compiled: bool = False) -> int:
     C, I = config.hidden_size, config.intermediate_size
     per_layer = (4 * I + 10 * C) * dtype.itemsize + 16 * C
-    lm_head = 3 * config.vocab_size * 4  # fp32 whatever the compute dtype: the loss upcasts the logits
-    return config.num_hidden_layers * per_layer + lm_head
+    layers = config.num_hidden_layers * 4 * C + per_layer if checkpointing else config.num_hidden_layers * per_layer
+    final_norm = 8 * C + 4 + 8  # its fp32 input, output and norm, and the embedding's int64 token ids
+    lm_head = 2 * config.vocab_size * dtype.itemsize if compiled else 4 * C
+    return layers + final_norm + lm_head
 
 
 def estimate(config: LlamaConfig, micro_batch: int, seq_len: int, dtype: torch.dtype, shards: int = 1,
-             on_gpu: bool = False) -> Estimate:
+             on_gpu: bool = False, checkpointing: bool = False, compiled: bool = False) -> Estimate:
     """What one process holds while it trains; shards: the ranks FSDP spreads the state over
     (1: one process, DataParallel, DDP); on_gpu: the device is a GPU, where AdamW is fused
-    (training.make_optimizer) and saves copy the state into host memory."""
+    (training.make_optimizer) and saves copy the state into host memory; checkpointing:
+    --activation-checkpointing; compiled: --compile."""
     with torch.device("meta"):  # the real model, counted without allocating it
         model = LlamaForPretraining(config)
     parameters = model.num_parameters()
     largest = max(p.numel() for p in model.parameters())
-    temporaries = 0 if on_gpu else 2 * 4 * -(-largest // shards)
     if dtype == torch.float32:
         copies = 0
-    elif shards == 1:  # autocast: a copy of every matmul weight
-        copies = dtype.itemsize * sum(p.numel() for name, p in model.named_parameters()
-                                      if p.dim() == 2 and "embed_tokens" not in name)
+    elif shards == 1:  # autocast: a copy of every matmul weight (the chunked loss's of the LM head is not kept;
+        # with activation checkpointing, only those of the layer being recomputed)
+        kept = [model.base_model.layers[0]] if checkpointing else list(model.base_model.layers)
+        copies = dtype.itemsize * sum(p.numel() for m in kept + ([model.lm_head] if compiled else [])
+                                      for p in m.parameters() if p.dim() == 2)
     else:  # FSDP's groups (train_fsdp.shard): each decoder layer, the embedding, the norm with the LM head
         groups = [model.base_model.embed_tokens, model.lm_head, *model.base_model.layers]
         copies = 2 * dtype.itemsize * max(sum(p.numel() for p in g.parameters()) for g in groups)
+    tokens = micro_batch * seq_len
+    chunk = min(tokens, chunked_loss.chunk_tokens(config.vocab_size, torch.device("cuda" if on_gpu else "cpu")))
     return Estimate(parameters=parameters, state=BYTES_PER_PARAMETER * parameters // shards,
                     snapshot=0 if on_gpu else (4 + 8) * parameters // shards,
-                    build=4 * parameters if shards > 1 else 0, transient=temporaries + copies,
-                    activations=micro_batch * seq_len * activation_bytes_per_token(config, dtype))
+                    build=4 * parameters if shards > 1 else 0,
+                    optimizer_temporaries=0 if on_gpu else 2 * 4 * -(-largest // shards), copies=copies,
+                    logits=0 if compiled else chunk * config.vocab_size * (4 + dtype.itemsize % 4),
+                    activations=tokens * activation_bytes_per_token(config, dtype, checkpointing, compiled))
 
 
 def size(n_bytes: int) -> str:
@@ -117,17 +139,18 @@ class Check:
     before the corpus is tokenized or anything is written: refuses a model whose state alone
     exceeds the device's memory; warns when the whole estimate exceeds what is available now.
     shards: the ranks FSDP spreads the state over (1: DataParallel, DDP)."""
-    model: str  # the --model preset
+    cfg: TrainConfig  # its --model, --seq-len, --compile and --activation-checkpointing
     micro_batch: int
-    seq_len: int
     dtype: torch.dtype
     device: torch.device
     shards: int = 1
 
     def __call__(self, vocab_size: int):
-        config = LlamaConfig(vocab_size=vocab_size, **PRESETS[self.model])
-        need = estimate(config, self.micro_batch, self.seq_len, self.dtype, self.shards,
-                        on_gpu=self.device.type == "cuda")
+        cfg = self.cfg
+        config = LlamaConfig(vocab_size=vocab_size, **PRESETS[cfg.model])
+        need = estimate(config, self.micro_batch, cfg.seq_len, self.dtype, self.shards,
+                        on_gpu=self.device.type == "cuda", checkpointing=cfg.activation_checkpointing,
+                        compiled=cfg.compile)
         total, available = device_memory(self.device)
         where = "GPU memory" if self.device.type == "cuda" else "CPU memory"
         held = "weights, gradients and AdamW state" + (", and the copy each save writes" if need.snapshot else "")
@@ -139,5 +162,5 @@ class Check:
         if need.total > available:
             warn(f"this run may not fit in memory: it needs about {size(need.total)} per process "
                  f"({size(need.fixed)} for the model and its optimizer, {size(need.activations)} of activations "
-                 f"for {self.micro_batch} x {self.seq_len} tokens a micro-step), and {size(available)} of {where} "
+                 f"for {self.micro_batch} x {cfg.seq_len} tokens a micro-step), and {size(available)} of {where} "
                  "are available; lower --batch-size or raise --grad-accum")

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100  # target id that the loss skips (the data marks [PAD] targets with it)
+import chunked_loss
+from chunked_loss import IGNORE_INDEX
 
 
 @dataclass
@@ -184,8 +186,18 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+        self.activation_checkpointing = False  # LlamaForPretraining.enable_activation_checkpointing
 
     def forward(self, h, cos, sin, kv_cache=None):
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            # Activation checkpointing: autograd keeps only this layer's inputs, and backward
+            # runs the layer's forward again to get the rest. Non-reentrant, and inside this
+            # module's forward: FSDP's hooks around it gather the weights once for both, and
+            # compiling the layer compiles the recomputation too (torchtitan's order).
+            return checkpoint(self.layer, h, cos, sin, use_reentrant=False)
+        return self.layer(h, cos, sin, kv_cache)
+
+    def layer(self, h, cos, sin, kv_cache=None):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache)  # pre-norm residual blocks
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h
@@ -208,12 +220,35 @@ class LlamaModel(nn.Module):
         return self.norm(h)
 
 
+class LlamaLMHead(nn.Linear):
+    """The untied LM head: a plain nn.Linear (its weight is `lm_head.weight`). Given targets
+    it returns their summed loss instead of the logits, computed inside its own forward, so
+    that FSDP gathers its weight for it and DDP and DataParallel see one ordinary forward."""
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        super().__init__(hidden_size, vocab_size, bias=False)
+        self.chunk_tokens = None  # tokens a chunk (None: chunked_loss.chunk_tokens for the device)
+
+    def forward(self, h, targets=None):
+        if targets is None:
+            return super().forward(h)  # the logits
+        h, targets = h.flatten(0, -2), targets.flatten()
+        if torch.compiler.is_compiling():
+            # Compiled, the plain formulation: inductor fuses the loss so that only the
+            # compute-dtype logits stay alive. On an H100 the compiled chunks ran at 0.87x
+            # to 0.95x its speed with as much memory, and trained wrongly (docs/benchmarks.md).
+            return F.cross_entropy(super().forward(h).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+        chunk = self.chunk_tokens or chunked_loss.chunk_tokens(self.out_features, h.device)
+        return chunked_loss.chunked_loss(h, self.weight, targets, chunk, dtype)  # never all the logits at once
+
+
 class LlamaForPretraining(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
         self.base_model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)  # untied
+        self.lm_head = LlamaLMHead(config.hidden_size, config.vocab_size)  # untied
         # The dtype matmuls run in (autocast); weights stay fp32. The model applies it itself,
         # not the caller: nn.DataParallel runs each replica in a thread of its own, and
         # autocast settings are per thread (a replica thread's default on CUDA is fp16).
@@ -245,15 +280,19 @@ class LlamaForPretraining(nn.Module):
                              f"{self.config.max_position_embeddings}")
         device = input_ids.device.type
         with torch.autocast(device, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
-            logits = self.lm_head(self.base_model(input_ids, kv_caches))
-        if targets is None:
-            return logits
-        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                   ignore_index=IGNORE_INDEX, reduction="sum")
+            h = self.base_model(input_ids, kv_caches)
+            if targets is None:
+                return self.lm_head(h)  # the logits (B, T, V)
+            loss_sum = self.lm_head(h, targets)
         n_tokens = (targets != IGNORE_INDEX).sum()
         # 1-element tensors, not 0-dim: DataParallel gathers them without a warning; and new
         # tensors, not views of others: FSDP warns about views returned by a sharded module
         return torch.stack([loss_sum]), torch.stack([n_tokens])
+
+    def enable_activation_checkpointing(self):
+        """Each decoder layer recomputes its activations in backward instead of storing them."""
+        for layer in self.base_model.layers:
+            layer.activation_checkpointing = True
 
     def new_kv_caches(self, batch_size: int, max_len: int) -> list[KVCache]:
         """Empty caches, one per layer, for generating up to max_len positions in all."""

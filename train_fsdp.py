@@ -71,7 +71,7 @@ def main():
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
     # DDP: local rank 0 of each node prepares the data first; the others then read its cache
     # a model too big for this device's memory is refused once the vocabulary is known
-    model_fits = memory.Check(cfg.model, micro_batch, cfg.seq_len, dtype, device,
+    model_fits = memory.Check(cfg, micro_batch, dtype, device,
                               shards=world_size)  # FSDP: each rank holds 1/world_size of the state
     ckpt, tokenizer, train_ds, val_ds = training.prepare_data(cfg, launcher.InTurns(prep, local_rank), sharded=True,
                                                               model_fits=model_fits)

@@ -152,6 +152,8 @@ def build_model(cfg: TrainConfig, vocab_size: int, dtype: torch.dtype) -> LlamaF
     torch.manual_seed(cfg.seed)  # the same initial weights in every process and script
     model = LlamaForPretraining(model_config)
     model.compute_dtype = dtype  # matmuls in dtype (autocast inside forward); weights stay fp32
+    if cfg.activation_checkpointing:
+        model.enable_activation_checkpointing()  # before compile and FSDP wrap the layers
     return model
 
 
@@ -360,7 +362,8 @@ def describe(model: LlamaForPretraining, train_ds, steps_per_epoch: int, total_s
     return (f"{model.num_parameters() / 1e6:.1f}M parameters | {len(train_ds)} training sequences | "
             f"{steps_per_epoch} steps per epoch | {total_steps} steps | {micro_batch} sequences x "
             f"{cfg.grad_accum} micro-steps per step{ranks} | device {device}{backend} "
-            f"| {dtype}{' | compiled' if cfg.compile else ''}")
+            f"| {dtype}{' | compiled' if cfg.compile else ''}"
+            f"{' | activation checkpointing' if cfg.activation_checkpointing else ''}")
 
 
 def weights_finite(model: torch.nn.Module) -> bool:

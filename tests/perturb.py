@@ -5,6 +5,10 @@ it in this process (the tests' in-process runs); as a script, it runs a training
     reverse-batches   every micro-batch with its sequences in reverse order: the same tokens,
                       the same weights, summed in another order. Its distance from the plain
                       run is the rounding floor every approximate comparison is bounded by.
+    full-logits       the LM head's loss in the plain formulation that chunked_loss.py replaces:
+                      every logit at once, then F.cross_entropy. The reference the chunks
+                      must train the same model as.
+    small-chunks      the chunked loss in chunks of 7 tokens: many a micro-batch, the last short
 The others are mutants: bugs that a bound taken from that floor must catch.
     lr-off-by-one     the schedule one step ahead: step s trains with the LR of step s+1
     drop-micro-batch  the second micro-batch of step 3 never trains (use with --grad-accum 2)
@@ -19,15 +23,30 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the trainer's modules
+import chunked_loss  # noqa: E402
 import training  # noqa: E402
+from model import IGNORE_INDEX, LlamaLMHead  # noqa: E402
+
+
+def full_logits_loss(lm_head, h, targets):
+    """The formulation chunked_loss.py replaces: the logits of every token at once, then
+    F.cross_entropy (summed over the targets that are not IGNORE_INDEX)."""
+    logits = torch.nn.Linear.forward(lm_head, h)
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def full_logits_head(self, h, targets=None):
+    return torch.nn.Linear.forward(self, h) if targets is None else full_logits_loss(self, h, targets)
 
 
 @contextlib.contextmanager
 def perturbed(perturbation: str):
     real_next_micro_batches, real_make_optimizer, real_all_reduce = (
         training.next_micro_batches, training.make_optimizer, dist.all_reduce)
+    real_head, real_chunk_tokens = LlamaLMHead.forward, chunked_loss.chunk_tokens
     calls = []
 
     def reversed_micro_batches(*args, **kwargs):
@@ -56,6 +75,10 @@ def perturbed(perturbation: str):
         training.make_optimizer = schedule_one_ahead
     elif perturbation == "per-rank-mean":
         dist.all_reduce = local_count_only
+    elif perturbation == "full-logits":
+        LlamaLMHead.forward = full_logits_head
+    elif perturbation == "small-chunks":
+        chunked_loss.chunk_tokens = lambda vocab_size, device: 7
     else:
         raise ValueError(f"unknown perturbation {perturbation!r}")
     try:
@@ -63,6 +86,7 @@ def perturbed(perturbation: str):
     finally:
         training.next_micro_batches, training.make_optimizer, dist.all_reduce = (
             real_next_micro_batches, real_make_optimizer, real_all_reduce)
+        LlamaLMHead.forward, chunked_loss.chunk_tokens = real_head, real_chunk_tokens
 
 
 if __name__ == "__main__":

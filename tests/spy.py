@@ -26,7 +26,7 @@ def recording(spy_dir, compiled: bool = False):
     dtypes = set()
 
     def record_dtype(module, args, output):
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, torch.nn.Linear) and output.dim() > 0:  # 0-dim: the LM head's loss, not its matmul
             dtypes.add(str(output.dtype).removeprefix("torch."))
 
     graphs_before = _graphs_built()

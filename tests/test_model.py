@@ -164,10 +164,14 @@ def test_kv_cache_refuses_positions_beyond_its_size_or_the_model(llama):
 
 
 def linear_output_dtypes(model, run):
-    """Run run(); return the dtypes of every nn.Linear output (every matmul of the model)."""
+    """Run run(); return the dtypes of every nn.Linear output (every matmul of the model; given
+    targets, the LM head returns the loss instead, 0-dim and fp32: left out)."""
     dtypes = set()
-    hooks = [m.register_forward_hook(lambda m, args, out: dtypes.add(out.dtype))
-             for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+    def record(module, args, out):  # returns None: a hook's return value would replace the output
+        if out.dim() > 0:
+            dtypes.add(out.dtype)
+    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, torch.nn.Linear)]
     try:
         run()
     finally:
