@@ -18,6 +18,11 @@ sample, not timed):
                      every document encoded whole, then clipped
   ours               training.load_text + training.make_datasets, as the trainers call them
 MB/s counts the UTF-8 bytes of the documents' text.
+
+Then the loader: rows a second through the DataLoader as the trainers build it (shuffled,
+--batch-size rows a batch, in the training process), reading ours's tokenized cache a batch
+at a time (data.PaddedSequenceDataset.__getitems__), and as it was, a row at a time from
+Python lists, beside what one H100 trains.
 """
 
 import argparse
@@ -31,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+H100_TOKENS_PER_S = 470_936  # bench.py on one H100: the article model, 64 x 512, bf16, compiled
 FINEWEB_COLUMNS = ("text", "id", "dump", "url", "date", "file_path", "language", "language_score", "token_count")
 
 
@@ -42,6 +48,7 @@ def parse_args():
                    help="where the generated corpus is kept between runs")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (the article preset's)")
     p.add_argument("--vocab-size", type=int, default=50000, help="BPE size (the article preset's)")
+    p.add_argument("--batch-size", type=int, default=64, help="rows a batch for the loader (the article preset's)")
     p.add_argument("--launch", action="store_true", help="also time train_dp.py from launch to its first step")
     return p.parse_args()
 
@@ -136,13 +143,44 @@ def before(cfg, tokenizer):
     return time.perf_counter() - start
 
 
-def ours(cfg, tokenizer):
-    """What train_dp.py and train_ddp.py run, given --tokenizer."""
+def ours(cfg, tokenizer, made: dict):
+    """What train_dp.py and train_ddp.py run, given --tokenizer (the training set is kept in made)."""
     import training
     start = time.perf_counter()
     train_text, val_text, _ = training.load_text(cfg)
-    training.make_datasets(cfg, tokenizer, train_text, val_text)
+    made["train"], _ = training.make_datasets(cfg, tokenizer, train_text, val_text)
     return time.perf_counter() - start
+
+
+def one_row_at_a_time(ds):
+    """The reader as it was: each row a Python list of ints, padded into a tensor, row by row."""
+    import torch
+
+    class OneRowAtATime(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(ds)
+
+        def __getitem__(self, i):
+            ids = torch.tensor(ds.rows[i]["input_ids"], dtype=torch.long)
+            x = torch.full((ds.seq_len,), ds.pad_id, dtype=torch.long)
+            y = torch.full((ds.seq_len,), -100, dtype=torch.long)
+            x[:len(ids) - 1], y[:len(ids) - 1] = ids[:-1], ids[1:]
+            return x, y
+    return OneRowAtATime()
+
+
+def loader_rows_per_s(dataset, batch_size: int, seconds: float = 10.0) -> float:
+    """Rows a second through the DataLoader as the trainers build it (the shuffling sampler,
+    in the training process), for about `seconds`."""
+    import torch
+    import data
+    sampler = data.ResumableDistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True)
+    rows, start = 0, time.perf_counter()
+    for x, _ in torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True):
+        rows += len(x)
+        if time.perf_counter() - start > seconds:
+            break
+    return rows / (time.perf_counter() - start)
 
 
 def launch_to_first_step(path, out_dir, extra=()):
@@ -191,18 +229,29 @@ def main():
     cfg = training.parse_args(["--dataset", str(path), "--seq-len", str(args.seq_len), "--model", "article",
                                "--tokenizer", str(tokenizer_path)])
 
-    rows = []
+    rows, made = [], {}
     for name, fn in (("raw encode_batch (the tokenizer alone)", lambda: raw_encode_batch(texts, tokenizer)),
                      ("before: one process, whole documents", lambda: before(cfg, tokenizer)),
-                     ("ours: training.load_text + make_datasets", lambda: ours(cfg, tokenizer))):
+                     ("ours: training.load_text + make_datasets", lambda: ours(cfg, tokenizer, made))):
         cache = fresh_cache()
         seconds = fn()
         rows.append((name, seconds))
         print(f"  {name:<45}{seconds:8.1f} s {megabytes / seconds:8.2f} MB/s", flush=True)
+        if "train" in made:  # the loader reads this tokenized cache: measured before it goes
+            loader = {"before: a row at a time": loader_rows_per_s(one_row_at_a_time(made["train"]), args.batch_size),
+                      "ours: a batch at a time": loader_rows_per_s(made.pop("train"), args.batch_size)}
         __import__("shutil").rmtree(cache, ignore_errors=True)
     raw, old, new = (seconds for _, seconds in rows)
     print(f"\nours vs raw encode_batch: {raw / new:.2f}x its throughput (target: 0.8x or more)")
     print(f"ours vs before: {old / new:.2f}x")
+    print(f"\nThe loader: batches of {args.batch_size} x {args.seq_len} from the tokenized cache, shuffled, in the "
+          "training process")
+    for how, rate in loader.items():
+        print(f"  {how:<45}{rate:10,.0f} rows/s")
+    h100 = H100_TOKENS_PER_S / args.seq_len
+    print(f"one H100 trains about {h100:,.0f} rows of {args.seq_len} a second (the article model compiled in bf16, "
+          f"{H100_TOKENS_PER_S:,} tokens/s: docs/benchmarks.md); ours reads {loader['ours: a batch at a time'] / h100:.0f}x "
+          f"that, before {loader['before: a row at a time'] / h100:.1f}x")
 
     if args.launch:
         with tempfile.TemporaryDirectory() as out:

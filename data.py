@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -405,10 +406,12 @@ def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int) -> dat
     tokenizer = text_only(tokenizer)
     clip_at = clip_chars(texts.select(range(min(200, len(texts))))["text"], tokenizer, max_len)
     num_proc = min(len(os.sched_getaffinity(0)), len(texts) // 5000) if hasattr(os, "sched_getaffinity") else 1
+    # token ids in the narrowest type that holds them: 2 bytes each below 65,536 (8 as Python ints)
+    ids = datasets.Value("uint16" if tokenizer.get_vocab_size() <= 2**16 else "uint32")
     with _tokenizer_threads(1 if num_proc > 1 else None):
         return texts.map(_encode, batched=True, remove_columns=["text"], num_proc=num_proc if num_proc > 1 else None,
                          fn_kwargs={"tokenizer": tokenizer, "max_len": max_len, "clip_at": clip_at},
-                         desc="tokenizing")
+                         features=datasets.Features({"input_ids": datasets.Sequence(ids)}), desc="tokenizing")
 
 
 @contextlib.contextmanager
@@ -437,7 +440,10 @@ def _tokenizer_threads(threads: int | None):
 @dataclass
 class PaddedSequenceDataset(torch.utils.data.Dataset):
     """Items are (x, y), each (seq_len,) int64: inputs right-padded with [PAD], targets
-    shifted by one with IGNORE_INDEX wherever there is no real next token."""
+    shifted by one with IGNORE_INDEX wherever there is no real next token. The DataLoader
+    asks for a whole batch at once (__getitems__): its rows come out of the Arrow table as
+    one array of uint16 (or uint32) token ids and are padded together, with no Python loop
+    over tokens or rows."""
 
     rows: datasets.Dataset  # column "input_ids": [BOT] + ids + [EOT], at most seq_len + 1 long
     seq_len: int
@@ -448,12 +454,19 @@ class PaddedSequenceDataset(torch.utils.data.Dataset):
         return len(self.rows)
 
     def __getitem__(self, i):
-        ids = torch.tensor(self.rows[i]["input_ids"][: self.seq_len + 1], dtype=torch.long)
-        n = len(ids) - 1
-        x = torch.full((self.seq_len,), self.pad_id, dtype=torch.long)
-        y = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
-        x[:n], y[:n] = ids[:-1], ids[1:]
-        return x, y
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        column = self.rows.with_format("arrow")[indices]["input_ids"].combine_chunks()
+        lengths = np.diff(column.offsets.to_numpy())  # tokens in each row, [BOT] and [EOT] included
+        if (lengths > self.seq_len + 1).any():
+            raise ValueError(f"a row is longer than seq_len + 1 = {self.seq_len + 1} tokens")
+        tokens = np.full((len(indices), self.seq_len + 1), self.pad_id, dtype=np.int64)
+        tokens[np.arange(self.seq_len + 1) < lengths[:, None]] = column.flatten().to_numpy()  # row after row
+        real = np.arange(self.seq_len) < (lengths - 1)[:, None]  # positions with a real next token
+        x = torch.from_numpy(np.where(real, tokens[:, :-1], self.pad_id))
+        y = torch.from_numpy(np.where(real, tokens[:, 1:], IGNORE_INDEX))
+        return list(zip(x, y))  # the DataLoader's collate stacks them back: one copy of the batch
 
 
 class ResumableDistributedSampler(torch.utils.data.DistributedSampler):

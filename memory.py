@@ -25,6 +25,9 @@ Per process, in bytes:
   tests/test_memory.py checks this against what autograd really saves.
 """
 
+import collections
+import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
@@ -75,32 +78,46 @@ def activation_bytes_per_token(config: LlamaConfig, dtype: torch.dtype, checkpoi
     return layers + final_norm + lm_head
 
 
+Sizes = collections.namedtuple("Sizes", "parameters largest layer_matmuls layers_matmuls lm_head largest_group")
+
+
+@functools.lru_cache(maxsize=None)
+def _sizes(config_fields: tuple) -> Sizes:
+    """Parameter counts of the real model, built on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        model = LlamaForPretraining(LlamaConfig(*config_fields))
+
+    def count(module, matmuls_only=False):
+        return sum(p.numel() for p in module.parameters() if p.dim() == 2 or not matmuls_only)
+    layers = model.base_model.layers
+    groups = [model.base_model.embed_tokens, model.lm_head, *layers]  # train_fsdp.shard's groups
+    return Sizes(parameters=count(model), largest=max(p.numel() for p in model.parameters()),
+                 layer_matmuls=count(layers[0], True), layers_matmuls=sum(count(layer, True) for layer in layers),
+                 lm_head=count(model.lm_head), largest_group=max(count(g) for g in groups))
+
+
 def estimate(config: LlamaConfig, micro_batch: int, seq_len: int, dtype: torch.dtype, shards: int = 1,
              on_gpu: bool = False, checkpointing: bool = False, compiled: bool = False) -> Estimate:
     """What one process holds while it trains; shards: the ranks FSDP spreads the state over
     (1: one process, DataParallel, DDP); on_gpu: the device is a GPU, where AdamW is fused
     (training.make_optimizer) and saves copy the state into host memory; checkpointing:
     --activation-checkpointing; compiled: --compile."""
-    with torch.device("meta"):  # the real model, counted without allocating it
-        model = LlamaForPretraining(config)
-    parameters = model.num_parameters()
-    largest = max(p.numel() for p in model.parameters())
+    n = _sizes(dataclasses.astuple(config))
     if dtype == torch.float32:
         copies = 0
     elif shards == 1:  # autocast: a copy of every matmul weight (the chunked loss's of the LM head is not kept;
         # with activation checkpointing, only those of the layer being recomputed)
-        kept = [model.base_model.layers[0]] if checkpointing else list(model.base_model.layers)
-        copies = dtype.itemsize * sum(p.numel() for m in kept + ([model.lm_head] if compiled else [])
-                                      for p in m.parameters() if p.dim() == 2)
-    else:  # FSDP's groups (train_fsdp.shard): each decoder layer, the embedding, the norm with the LM head
-        groups = [model.base_model.embed_tokens, model.lm_head, *model.base_model.layers]
-        copies = 2 * dtype.itemsize * max(sum(p.numel() for p in g.parameters()) for g in groups)
+        copies = dtype.itemsize * ((n.layer_matmuls if checkpointing else n.layers_matmuls)
+                                   + (n.lm_head if compiled else 0))
+    else:  # FSDP gathers two of its groups (train_fsdp.shard) at a time
+        copies = 2 * dtype.itemsize * n.largest_group
+    parameters = n.parameters
     tokens = micro_batch * seq_len
     chunk = min(tokens, chunked_loss.chunk_tokens(config.vocab_size, torch.device("cuda" if on_gpu else "cpu")))
     return Estimate(parameters=parameters, state=BYTES_PER_PARAMETER * parameters // shards,
                     snapshot=0 if on_gpu else (4 + 8) * parameters // shards,
                     build=4 * parameters if shards > 1 else 0,
-                    optimizer_temporaries=0 if on_gpu else 2 * 4 * -(-largest // shards), copies=copies,
+                    optimizer_temporaries=0 if on_gpu else 2 * 4 * -(-n.largest // shards), copies=copies,
                     logits=0 if compiled else chunk * config.vocab_size * (4 + dtype.itemsize % 4),
                     activations=tokens * activation_bytes_per_token(config, dtype, checkpointing, compiled))
 

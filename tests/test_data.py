@@ -38,6 +38,44 @@ def test_framing_padding_and_the_shift_by_one():
     assert x.dtype == y.dtype == torch.long
 
 
+def one_row_at_a_time(ds: PaddedSequenceDataset, i: int):
+    """The plain formulation of a row, which the batched read replaces: a Python list of ids,
+    copied into a padded tensor."""
+    ids = torch.tensor(ds.rows[i]["input_ids"], dtype=torch.long)
+    n = len(ids) - 1
+    x = torch.full((ds.seq_len,), ds.pad_id, dtype=torch.long)
+    y = torch.full((ds.seq_len,), IGNORE_INDEX, dtype=torch.long)
+    x[:n], y[:n] = ids[:-1], ids[1:]
+    return x, y
+
+
+def test_a_batch_is_read_at_once_and_equals_its_rows_read_one_at_a_time():
+    """The DataLoader asks for a batch's indices at once (__getitems__, one call a batch): the
+    rows of every length, from 2 tokens to seq_len + 1, in the sampler's order."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [2, 17, 5, 3, 9, 17, 11] * 5
+    ds = PaddedSequenceDataset(rows(*([1, *torch.randint(3, 300, (n - 2,), generator=g).tolist(), 2] for n in lengths)),
+                               seq_len=16, pad_id=0)
+    order = torch.randperm(len(ds), generator=g).tolist()
+    calls = []
+    real = PaddedSequenceDataset.__getitems__
+    ds.__getitems__ = lambda indices: calls.append(indices) or real(ds, indices)
+    batches = list(torch.utils.data.DataLoader(ds, batch_size=8, sampler=order, drop_last=True))
+    assert calls == [order[i:i + 8] for i in range(0, 32, 8)]
+    for (x, y), indices in zip(batches, calls):
+        expected = [one_row_at_a_time(ds, i) for i in indices]
+        assert torch.equal(x, torch.stack([e[0] for e in expected])) and torch.equal(y, torch.stack([e[1] for e in expected]))
+        assert x.dtype == y.dtype == torch.long
+
+
+@pytest.mark.parametrize("vocab_size, stored", [(300, "uint16"), (65_536, "uint16"), (65_537, "uint32")])
+def test_token_ids_are_stored_in_the_narrowest_type_that_holds_the_vocabulary(vocab_size, stored, monkeypatch):
+    tokenizer = data.train_tokenizer(datasets.Dataset.from_dict({"text": DOCS * 20}), vocab_size=300)
+    monkeypatch.setattr(type(tokenizer), "get_vocab_size", lambda self, with_added_tokens=True: vocab_size)
+    framed = data.tokenize(datasets.Dataset.from_dict({"text": DOCS}), tokenizer, seq_len=16)
+    assert framed.features["input_ids"].feature.dtype == stored
+
+
 def test_documents_longer_than_seq_len_are_clipped(tokenizer):
     texts = datasets.Dataset.from_dict({"text": [" ".join(["word"] * 100)]})
     framed = data.tokenize(texts, tokenizer, seq_len=8)[0]["input_ids"]

@@ -160,6 +160,24 @@ def test_bench_runs_every_row_and_writes_its_table(tmp_path, capsys):
     assert "Table 2" in printed
 
 
+def test_bench_memory_measures_every_row_in_a_process_of_its_own_and_estimates_what_fits(tmp_path, capsys):
+    """bench_memory.py at toy size: every row and batch measured (each in a fresh process),
+    the bytes a token beside the estimate, and the largest micro-batch for both presets. The
+    figures themselves are the benchmark's to report, not a test's to bound."""
+    import bench_memory
+    out = tmp_path / "bench_memory.json"
+    bench_memory.main(["--model", "tiny", "--batch", "1", "2", "--seq-len", "32", "--steps", "1", "--json", str(out)])
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert sorted(result["rows"]) == sorted(f"{v} @ {b}" for v in bench_memory.VARIANTS for b in (1, 2))
+    assert all(row["step"] >= row["backward"] >= 0 and row["seconds"] > 0 and row["built"] > 0
+               for row in result["rows"].values())
+    assert set(result["bytes_per_token"]) == set(bench_memory.VARIANTS)
+    assert {(preset, how) for preset, how, _, _ in result["fits"]} == {
+        (preset, how) for preset in ("article", "1b") for how in ("DDP", "FSDP, 2 ranks", "FSDP, 4 ranks", "FSDP, 8 ranks")}
+    assert all(f"Table {n}" in printed for n in (1, 2, 3))
+
+
 def test_bench_on_one_gpu_and_without_fsdp_still_prints_every_table(tmp_path, monkeypatch, capsys):
     """--max-world-size 1, as on a machine with one GPU, on a torch without FSDP2 (as torch 2.5,
     which the README promises for DP and DDP: no fully_shard): Table 1 holds the rows it could

@@ -1,0 +1,206 @@
+"""Measure the memory of one training step, by how the LM head's loss and the activations are
+kept, and estimate the largest micro-batch that fits one GPU.
+
+    python bench_memory.py                         # article preset, 8 x 512 and 16 x 512, fp32
+    python bench_memory.py --batch 4 8 --dtype bf16 --gpu-gb 80
+
+Table 1 measures each row in a fresh process, one micro-batch of --batch x --seq-len tokens:
+  decoder alone        forward and backward of the decoder without LM head and loss: the
+                       floor that the head and the loss add to
+  full logits          the LM head's loss as it was: every logit at once, then F.cross_entropy
+  chunked loss         ours, the default (chunked_loss.py)
+  + act. checkpointing the chunked loss and --activation-checkpointing
+Memory is the peak above the process with its model built: on a CPU its peak RSS (glibc is
+told to return freed memory at once, MALLOC_MMAP_THRESHOLD_, so that the peak is the
+tensors' own and not the allocator's leftovers), on a GPU torch's max allocated. It is taken
+after forward and backward, then after AdamW's step, whose two moments (8 bytes a
+parameter) come with the first step. The time is one step's, the best of --steps, with the
+rows' processes taking turns. Table 2 gives each row's bytes a token (from the two largest
+batches) beside memory.py's estimate, and Table 3 the largest micro-batch of 512 tokens that
+fits --gpu-gb for the article and 1b presets under DDP and FSDP, from memory.py's estimate
+(an estimate: no run of that size is made).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+VARIANTS = {"decoder alone": [], "full logits": [], "chunked loss": [], "+ act. checkpointing": []}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="article", help="model preset (vocabulary: the training preset's)")
+    p.add_argument("--batch", type=int, nargs="+", default=[8, 16], help="micro-batches to measure, in sequences")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per row and batch (after one untimed)")
+    p.add_argument("--gpu-gb", type=float, default=24.0, help="GPU memory for Table 3, in GB")
+    p.add_argument("--estimate-only", action="store_true", help="Table 3 alone: no measurement")
+    p.add_argument("--json", default="bench_memory.json")
+    p.add_argument("--one", nargs=2, metavar=("VARIANT", "BATCH"), help=argparse.SUPPRESS)  # a worker's row
+    return p.parse_args(argv)
+
+
+def peak_bytes(device) -> int:
+    import torch
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+
+
+def measure_one(args, variant: str, batch: int) -> dict:
+    """One row in this (fresh) process: peak memory above the built model, and step time."""
+    import torch
+    import torch.nn.functional as F
+
+    import training
+    from model import IGNORE_INDEX, PRESETS, LlamaConfig, LlamaForPretraining
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    vocab_size = training.TRAINING_PRESETS[args.model]["vocab_size"]
+    torch.manual_seed(0)
+    model = LlamaForPretraining(LlamaConfig(vocab_size=vocab_size, **PRESETS[args.model])).to(device)
+    model.compute_dtype = dtype
+    if variant == "+ act. checkpointing":
+        model.enable_activation_checkpointing()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    x = torch.randint(3, vocab_size, (batch, args.seq_len + 1), device=device)
+    x, y = x[:, :-1], x[:, 1:]
+
+    def loss():
+        if variant == "decoder alone":
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                return model.base_model(x).float().square().mean()
+        if variant == "full logits":  # the formulation chunked_loss.py replaces
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                logits = torch.nn.Linear.forward(model.lm_head, model.base_model(x))
+            return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
+        loss_sum, n_tokens = model(x, y)
+        return loss_sum.sum() / n_tokens.sum()
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    built = peak_bytes(device)
+    times = []
+    for step in range(1 + args.steps):
+        start = time.perf_counter()
+        loss().backward()
+        if step == 0:
+            after_backward = peak_bytes(device) - built
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step == 0:
+            after_step = peak_bytes(device) - built
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return {"built": built, "backward": after_backward, "step": after_step, "seconds": min(times[1:] or times),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
+
+
+def run_row(args, variant: str, batch: int) -> dict:
+    """A fresh process for one row: a process's peak RSS never goes down."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    cmd = [sys.executable, __file__, "--one", variant, str(batch), "--model", args.model, "--seq-len",
+           str(args.seq_len), "--dtype", args.dtype, "--steps", str(args.steps)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def estimates_per_token(args) -> dict:
+    import torch
+
+    import memory
+    import training
+    from model import PRESETS, LlamaConfig
+    config = LlamaConfig(vocab_size=training.TRAINING_PRESETS[args.model]["vocab_size"], **PRESETS[args.model])
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    return {"chunked loss": memory.activation_bytes_per_token(config, dtype),
+            "+ act. checkpointing": memory.activation_bytes_per_token(config, dtype, checkpointing=True)}
+
+
+def print_fits(args, fits):
+    print(f"\nTable 3: the largest micro-batch of {args.seq_len} tokens on a {args.gpu_gb:g} GB GPU, in {args.dtype} "
+          "(memory.py's estimate: weights, gradients and AdamW state, activations, one chunk of logits)")
+    for preset, how, checkpointing, batch in fits:
+        print(f"  {preset:<8}{how:<16}{'with' if checkpointing else 'without':>8} activation checkpointing: {batch:>5}")
+
+
+def fits_table(args) -> list:
+    """The largest micro-batch of seq_len tokens whose estimate (memory.py) fits --gpu-gb."""
+    import torch
+
+    import memory
+    import training
+    from model import PRESETS, LlamaConfig
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    rows = []
+    for preset in ("article", "1b"):
+        config = LlamaConfig(vocab_size=training.TRAINING_PRESETS[preset]["vocab_size"], **PRESETS[preset])
+        for ranks in (1, 2, 4, 8):
+            for checkpointing in (False, True):
+                def need(batch):
+                    return memory.estimate(config, batch, args.seq_len, dtype, shards=ranks, on_gpu=True,
+                                           checkpointing=checkpointing).total
+                batch, too_many = 0, 4097  # the estimate grows with the batch: bisect
+                while too_many - batch > 1:
+                    middle = (batch + too_many) // 2
+                    batch, too_many = (middle, too_many) if need(middle) <= args.gpu_gb * 1e9 else (batch, middle)
+                rows.append((preset, "DDP" if ranks == 1 else f"FSDP, {ranks} ranks", checkpointing, batch))
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.one:
+        print(json.dumps(measure_one(args, args.one[0], int(args.one[1]))))
+        return
+    if args.estimate_only:
+        print_fits(args, fits_table(args))
+        return
+    results = {}
+    for batch in args.batch:
+        for variant in VARIANTS:  # the rows take turns, so that a noisy moment hits them alike
+            results[variant, batch] = run_row(args, variant, batch)
+    device = next(iter(results.values()))["device"]
+    print(f"{device} | {args.model} preset | {args.dtype} | micro-batches of {args.batch} x {args.seq_len} tokens\n")
+    built = max(r["built"] for r in results.values()) / 2**30
+    print(f"Table 1: peak memory of one step above the built model (the process with its model built: "
+          f"{built:.2f} GiB), and the time of a step")
+    print(f"  {'':24}" + "".join(f"{f'{b} x {args.seq_len}: fwd+bwd':>22}{'+ AdamW':>9}{'s/step':>8}"
+                                 for b in args.batch))
+    for variant in VARIANTS:
+        cells = "".join(f"{r['backward'] / 2**30:>22.2f}{r['step'] / 2**30:>9.2f}{r['seconds']:>8.2f}"
+                        for r in (results[variant, b] for b in args.batch))
+        print(f"  {variant:<24}{cells}")
+    small, large = sorted(args.batch)[-2:] if len(args.batch) > 1 else (None, args.batch[0])
+    per_token = {}
+    if small:
+        print(f"\nTable 2: bytes a token, from {small} and {large} sequences, beside memory.py's estimate")
+        estimated = estimates_per_token(args)
+        for variant in VARIANTS:
+            grow = results[variant, large]["backward"] - results[variant, small]["backward"]
+            per_token[variant] = grow / ((large - small) * args.seq_len)
+            guess = f"{estimated[variant]:>14,}" if variant in estimated else ""
+            print(f"  {variant:<24}{per_token[variant]:>12,.0f}{guess}")
+    base = results["full logits", large]
+    print(f"\nAt {large} x {args.seq_len}, against the full logits: chunked loss "
+          f"{base['seconds'] / results['chunked loss', large]['seconds']:.2f}x the speed, "
+          f"{(base['backward'] - results['chunked loss', large]['backward']) / 2**30:.2f} GiB less; "
+          f"with activation checkpointing {base['seconds'] / results['+ act. checkpointing', large]['seconds']:.2f}x, "
+          f"{(base['backward'] - results['+ act. checkpointing', large]['backward']) / 2**30:.2f} GiB less")
+    fits = fits_table(args)
+    print_fits(args, fits)
+    with open(args.json, "w") as f:
+        json.dump({"args": vars(args), "rows": {f"{v} @ {b}": r for (v, b), r in results.items()},
+                   "bytes_per_token": per_token, "fits": fits}, f, indent=2)
+    print(f"\nwritten to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
