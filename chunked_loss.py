@@ -7,12 +7,13 @@ the decoder's own peak; at 64 x 512 on a GPU, 18 GiB. Here forward takes each ch
 logits, its loss and at once its gradients (softmax minus one-hot, then times the weight and
 times the hidden states: the three matmuls the plain backward does too, and no more), and
 frees the logits before the next chunk. Backward only scales the stored gradients. Only
-one chunk of logits is ever alive. tests/test_model.py proves it equal to the plain
-formulation, which stays there as the reference.
+one chunk of logits is ever alive. tests/test_chunked_loss.py proves it equal to the plain
+formulation, which stays in tests/perturb.py (full_logits_loss) as the reference.
 """
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 IGNORE_INDEX = -100  # target id that the loss skips (the data marks [PAD] targets with it)
 
@@ -61,6 +62,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable  # its gradients are computed in forward: they have no graph to differentiate again
     def backward(ctx, grad_loss):
         grad_h, grad_weight = ctx.saved_tensors
         # scaled in place: a copy would be one more head-sized tensor (a second backward

@@ -15,12 +15,14 @@ Per process, in bytes:
   the size of the largest weight; under autocast every decoder matmul weight has a bf16
   copy from forward until backward (with activation checkpointing only the recomputed
   layer's; FSDP instead gathers two of its groups at a time, in bf16); the chunked loss
-  holds one chunk of logits.
+  holds one chunk of logits, and from forward into backward the LM head's fp32 gradient
+  (a second copy where .grad already exists: gradient accumulation, DDP's buckets, and
+  under FSDP the whole unsharded gradient, and a bf16 one).
 - the activations: what autograd saves for backward, per token of a micro-batch. Each layer
   keeps (4 x intermediate + 10 x hidden) values in the compute dtype and its RMSNorms' fp32
   copies; with activation checkpointing only its fp32 input (hidden values), and backward
   makes one layer's worth again at a time. The final norm keeps its input and output. The
-  chunked LM head keeps the hidden states' gradient, and one chunk of logits at a time (chunked_loss.py); compiled, the plain
+  chunked LM head keeps the hidden states' gradient (chunked_loss.py); compiled, the plain
   formulation keeps the logits in the compute dtype and makes their gradient in backward.
   tests/test_memory.py checks this against what autograd really saves.
 """
@@ -30,6 +32,7 @@ import dataclasses
 import functools
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -51,12 +54,13 @@ class Estimate:
     optimizer_temporaries: int  # AdamW's unfused step (a CPU): two of the largest weight's size
     copies: int  # weights in the compute dtype: autocast's copies, or FSDP's two gathered groups
     logits: int  # the chunked loss's one chunk of logits, fp32 (and its compute-dtype matmul output)
+    head_gradient: int  # the chunked loss's LM head gradient, made in forward
     activations: int  # saved for backward by one micro-batch
 
     @property
     def transient(self) -> int:
         """The most held beside the state and the activations at once."""
-        return self.optimizer_temporaries + self.copies + self.logits
+        return self.optimizer_temporaries + self.copies + self.logits + self.head_gradient
 
     @property
     def fixed(self) -> int:
@@ -114,11 +118,13 @@ def estimate(config: LlamaConfig, micro_batch: int, seq_len: int, dtype: torch.d
     parameters = n.parameters
     tokens = micro_batch * seq_len
     chunk = min(tokens, chunked_loss.chunk_tokens(config.vocab_size, torch.device("cuda" if on_gpu else "cpu")))
+    low_precision = dtype.itemsize if dtype != torch.float32 else 0  # a bf16 copy beside the fp32 one
     return Estimate(parameters=parameters, state=BYTES_PER_PARAMETER * parameters // shards,
                     snapshot=0 if on_gpu else (4 + 8) * parameters // shards,
                     build=4 * parameters if shards > 1 else 0,
                     optimizer_temporaries=0 if on_gpu else 2 * 4 * -(-n.largest // shards), copies=copies,
-                    logits=0 if compiled else chunk * config.vocab_size * (4 + dtype.itemsize % 4),
+                    logits=0 if compiled else chunk * config.vocab_size * (4 + low_precision),
+                    head_gradient=0 if compiled else n.lm_head * (4 + (low_precision if shards > 1 else 0)),
                     activations=tokens * activation_bytes_per_token(config, dtype, checkpointing, compiled))
 
 
@@ -139,15 +145,36 @@ def device_memory(device: torch.device) -> tuple[int, int]:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         pass  # not Linux: the whole memory counts as available
-    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(limit_file) as f:
-                limit = int(f.read())  # "max" (no limit) is not a number
-        except (OSError, ValueError):
-            continue
-        total, available = min(total, limit), min(available, limit)
+    for limit, used in cgroup_limits():
+        total, available = min(total, limit), min(available, max(0, limit - used))
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return total // ranks_here, available // ranks_here
+
+
+def cgroup_limits(own: str = "/proc/self/cgroup", mount: str = "/sys/fs/cgroup"):
+    """(limit, used) bytes of each memory cgroup this process is in, its own and every one above
+    it (a Slurm job or a container sets the limit on its own group, not on the root): cgroup
+    v2's memory.max and memory.current, or v1's limit_in_bytes and usage_in_bytes."""
+    try:
+        lines = Path(own).read_text().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            root, limit_name, used_name = Path(mount), "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):  # v1
+            root, limit_name, used_name = Path(mount, "memory"), "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        folder = root / path.lstrip("/")
+        for group in [folder, *folder.parents]:
+            if not group.is_relative_to(root):
+                break
+            try:
+                yield int((group / limit_name).read_text()), int((group / used_name).read_text())
+            except (OSError, ValueError):  # not there, or "max": no limit at this level
+                continue
 
 
 @dataclass
@@ -176,6 +203,13 @@ class Check:
                 f"the model cannot fit: its {need.parameters:,} parameters need about {size(need.fixed)} per process "
                 f"for {held}, and this process has {size(total)} of {where}; choose a "
                 "smaller --model or vocabulary, or shard it over more ranks with train_fsdp.py")
+        if self.device.type == "cuda":  # the host holds the fp32 model before it moves, and each save's copy
+            host_need, host_total = max(4 * need.parameters, 12 * need.parameters // self.shards), \
+                device_memory(torch.device("cpu"))[0]
+            if host_need > host_total:
+                raise UsageError(f"the model cannot fit: its {need.parameters:,} parameters need about "
+                                 f"{size(host_need)} of CPU memory per process (the model is built there, and each "
+                                 f"save copies its state there), and this process has {size(host_total)}")
         if need.total > available:
             warn(f"this run may not fit in memory: it needs about {size(need.total)} per process "
                  f"({size(need.fixed)} for the model and its optimizer, {size(need.activations)} of activations "

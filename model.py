@@ -189,7 +189,7 @@ class LlamaDecoderLayer(nn.Module):
         self.activation_checkpointing = False  # LlamaForPretraining.enable_activation_checkpointing
 
     def forward(self, h, cos, sin, kv_cache=None):
-        if self.activation_checkpointing and torch.is_grad_enabled():
+        if self.activation_checkpointing and torch.is_grad_enabled() and kv_cache is None:
             # Activation checkpointing: autograd keeps only this layer's inputs, and backward
             # runs the layer's forward again to get the rest. Non-reentrant, and inside this
             # module's forward: FSDP's hooks around it gather the weights once for both, and
@@ -236,7 +236,8 @@ class LlamaLMHead(nn.Linear):
         if torch.compiler.is_compiling():
             # Compiled, the plain formulation: inductor fuses the loss so that only the
             # compute-dtype logits stay alive. On an H100 the compiled chunks ran at 0.87x
-            # to 0.95x its speed with as much memory, and trained wrongly (docs/benchmarks.md).
+            # to 0.95x its speed with as much memory, and the model they trained did not
+            # learn, for a reason not yet found (docs/benchmarks.md): keep this branch.
             return F.cross_entropy(super().forward(h).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
         dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
         chunk = self.chunk_tokens or chunked_loss.chunk_tokens(self.out_features, h.device)

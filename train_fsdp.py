@@ -42,6 +42,8 @@ def shard(model, mesh, dtype: torch.dtype, compile_layers: bool = False):
         if compile_layers:
             layer.compile()  # each layer, before it is sharded: the state_dict keeps its keys
         fully_shard(layer, mesh=mesh, mp_policy=policy)
+    if compile_layers:
+        model.lm_head.compile()  # and the LM head with its loss, as the whole model is under DDP
     fully_shard(model.base_model.embed_tokens, mesh=mesh, mp_policy=policy)
     fully_shard([model.base_model.norm, model.lm_head], mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     return fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: starts each forward's gathers

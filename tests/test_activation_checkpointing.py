@@ -76,3 +76,21 @@ def test_the_flag_reaches_every_decoder_layer_of_the_model_the_scripts_build():
     assert [layer.activation_checkpointing for layer in model.base_model.layers] == [True] * 4
     plain = training.build_model(training.parse_args(["--vocab-size", "300"]), 300, torch.float32)
     assert not any(layer.activation_checkpointing for layer in plain.base_model.layers)
+
+
+def test_generation_with_gradients_enabled_fills_the_cache_as_without_it():
+    """A KV cache is filled by each forward: the layer that recomputes in backward must not
+    skip it. Prompt, then four tokens one at a time, outside torch.no_grad()."""
+    config = LlamaConfig(vocab_size=300, **PRESETS["tiny"])
+    torch.manual_seed(0)
+    plain = LlamaForPretraining(config)
+    checkpointed = LlamaForPretraining(config)
+    checkpointed.load_state_dict(plain.state_dict())
+    checkpointed.enable_activation_checkpointing()
+    x = torch.randint(0, 300, (1, 12))
+    outputs = []
+    for model in (plain, checkpointed):
+        caches = model.new_kv_caches(1, 12)
+        outputs.append(torch.cat([model(x[:, :8], kv_caches=caches)] +
+                                 [model(x[:, t:t + 1], kv_caches=caches) for t in range(8, 12)], dim=1))
+    assert torch.equal(outputs[0], outputs[1])

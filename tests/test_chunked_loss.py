@@ -32,7 +32,8 @@ def batch(B=4, T=128):
     g = torch.Generator().manual_seed(1)
     x = torch.randint(3, V, (B, T), generator=g)
     y = x.roll(-1, 1)
-    y[0, 50:] = IGNORE_INDEX  # padding: ignored targets, some inside a chunk, some filling one
+    y[0, 50:] = IGNORE_INDEX  # padding: ignored targets inside a chunk,
+    y[1, :] = IGNORE_INDEX  # and filling whole ones (tokens 128 to 255: chunks of 100 and 128)
     y[2, 100:] = IGNORE_INDEX
     return x, y
 

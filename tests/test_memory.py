@@ -158,3 +158,33 @@ def test_under_torchrun_one_rank_short_of_memory_ends_every_rank_with_one_line(t
     assert len(errors) == 1 and errors[0].startswith("error: the model cannot fit: its ")
     assert "this process has 1.0 MB of CPU memory" in errors[0]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_the_limit_of_a_nested_cgroup_counts_with_what_it_already_uses(tmp_path, version):
+    """A Slurm job's or a container's limit sits on its own group, below the root: every group
+    from the process's own up to the root counts, and what a group already uses is not free."""
+    if version == 2:
+        own, root, files = "0::/slurm/job_7/step_0\n", tmp_path, ("memory.max", "memory.current")
+    else:
+        own, root, files = "4:memory:/slurm/job_7/step_0\n5:cpu,cpuacct:/x\n", tmp_path / "memory", (
+            "memory.limit_in_bytes", "memory.usage_in_bytes")
+    (tmp_path / "cgroup").write_text(own)
+    for group, limit, used in [("", "max", "1"), ("slurm", "max", "1"), ("slurm/job_7", "4000000000", "1000000000")]:
+        (root / group).mkdir(parents=True, exist_ok=True)
+        (root / group / files[0]).write_text(limit)
+        (root / group / files[1]).write_text(used)
+    assert list(memory.cgroup_limits(tmp_path / "cgroup", tmp_path)) == [(4_000_000_000, 1_000_000_000)]
+
+
+def test_on_a_gpu_the_host_memory_the_model_passes_through_is_checked_too(monkeypatch):
+    """The fp32 model is built in CPU memory before it moves to the GPU, and each save copies
+    its state back there: a model the GPU can hold but the host cannot is refused as well."""
+    cfg = training.parse_args(["--model", "tiny", "--seq-len", "32"])
+    monkeypatch.setattr(memory, "device_memory",
+                        lambda device: (10**15, 10**15) if device.type == "cuda" else (10**6, 10**6))
+    check = memory.Check(cfg, 8, torch.bfloat16, torch.device("cuda", 0))
+    with pytest.raises(UsageError, match="of CPU memory per process .* and this process has 1.0 MB"):
+        check(300)
+    monkeypatch.setattr(memory, "device_memory", lambda device: (10**15, 10**15))
+    check(300)  # a host large enough: nothing said

@@ -170,8 +170,7 @@ def test_bench_memory_measures_every_row_in_a_process_of_its_own_and_estimates_w
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert sorted(result["rows"]) == sorted(f"{v} @ {b}" for v in bench_memory.VARIANTS for b in (1, 2))
-    assert all(row["step"] >= row["backward"] >= 0 and row["seconds"] > 0 and row["built"] > 0
-               for row in result["rows"].values())
+    assert all(row["seconds"] > 0 and row["built"] > 0 for row in result["rows"].values())
     assert set(result["bytes_per_token"]) == set(bench_memory.VARIANTS)
     assert {(preset, how) for preset, how, _, _ in result["fits"]} == {
         (preset, how) for preset in ("article", "1b") for how in ("DDP", "FSDP, 2 ranks", "FSDP, 4 ranks", "FSDP, 8 ranks")}
