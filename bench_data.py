@@ -10,13 +10,12 @@ language_score, token_count) and its shape: documents of log-normal length (medi
 1,800 characters, a long tail past 50,000), English-like words with Zipf frequencies,
 sentences and paragraphs. It is written once and reused (--data-dir).
 
-Rows, each on a fresh `datasets` cache, with the same tokenizer (a BPE trained once on a
-sample, not timed):
-  raw encode_batch   tokenizer.encode_batch over every document, on every core: the ceiling
-                     for tokenizing whole documents
-  before             what preparation did before: one process, a Python filter per document,
-                     every document encoded whole, then clipped
-  ours               training.load_text + training.make_datasets, as the trainers call them
+Two rows, each on a fresh `datasets` cache, with the same tokenizer (a BPE trained once on a
+sample, not timed), over the same full texts:
+  raw encode_batch   tokenizer.encode_batch over every whole document, on every core: the
+                     ceiling for tokenizing them
+  ours               training.load_text + training.make_datasets, as the trainers call them:
+                     load, split, encode every document whole and cut it into windows
 MB/s counts the UTF-8 bytes of the documents' text.
 
 Then the loader: rows a second through the DataLoader as the trainers build it (shuffled,
@@ -123,26 +122,6 @@ def raw_encode_batch(texts, tokenizer):
     return time.perf_counter() - start
 
 
-def before(cfg, tokenizer):
-    """Preparation as it was: a filter that runs Python per document, one process, and
-    every document encoded whole before it is clipped."""
-    import datasets
-    import data
-    start = time.perf_counter()
-    ds = datasets.load_dataset("parquet", data_files=[cfg.dataset], split="train").select_columns(["text"])
-    ds = ds.filter(lambda batch: [bool(t and t.strip()) for t in batch["text"]], batched=True)
-    train, val = data.split_train_val(ds, data.default_val_docs(len(ds)), cfg.seed)
-    bot, eot, max_len = tokenizer.token_to_id(data.BOT), tokenizer.token_to_id(data.EOT), cfg.seq_len + 1
-
-    def encode(batch):
-        encodings = tokenizer.encode_batch(batch["text"], add_special_tokens=False)
-        return {"input_ids": [([bot] + e.ids + [eot])[:max_len] for e in encodings]}
-
-    for part in (train, val):
-        part.map(encode, batched=True, remove_columns=["text"])
-    return time.perf_counter() - start
-
-
 def ours(cfg, tokenizer, made: dict):
     """What train_dp.py and train_ddp.py run, given --tokenizer (the training set is kept in made)."""
     import training
@@ -231,7 +210,6 @@ def main():
 
     rows, made = [], {}
     for name, fn in (("raw encode_batch (the tokenizer alone)", lambda: raw_encode_batch(texts, tokenizer)),
-                     ("before: one process, whole documents", lambda: before(cfg, tokenizer)),
                      ("ours: training.load_text + make_datasets", lambda: ours(cfg, tokenizer, made))):
         cache = fresh_cache()
         seconds = fn()
@@ -241,9 +219,8 @@ def main():
             loader = {"before: a row at a time": loader_rows_per_s(one_row_at_a_time(made["train"]), args.batch_size),
                       "ours: a batch at a time": loader_rows_per_s(made.pop("train"), args.batch_size)}
         __import__("shutil").rmtree(cache, ignore_errors=True)
-    raw, old, new = (seconds for _, seconds in rows)
+    raw, new = (seconds for _, seconds in rows)
     print(f"\nours vs raw encode_batch: {raw / new:.2f}x its throughput (target: 0.8x or more)")
-    print(f"ours vs before: {old / new:.2f}x")
     print(f"\nThe loader: batches of {args.batch_size} x {args.seq_len} from the tokenized cache, shuffled, in the "
           "training process")
     for how, rate in loader.items():

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+import data
 from data import load_tokenizer
 from errors import UsageError, first_line
 from launcher import finish_before_exit, restart_count, warn
@@ -158,6 +159,7 @@ def run_state(model, scheduler, cfg, step, train_ds) -> dict:
     return {
         "scheduler": scheduler.state_dict(),
         "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "steps_per_epoch": steps_per_epoch,
+        "framing": data.FRAMING,  # how documents became rows: a resume needs the same rows
         "corpus": train_ds.corpus,  # what data the run trains on (data.fingerprint): a resume must match it
         # Nothing in training draws random numbers after initialization (the data order comes
         # from seed + epoch), but saving the generators keeps any future dropout exact too.

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import pyarrow.compute
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -42,8 +43,11 @@ KNOWN_FILES = f"{'/'.join(FILE_BUILDERS)} (optionally {'/'.join(COMPRESSIONS)})"
 TOKENIZER_TRAIN_CHARS = 200_000_000
 # The BPE trainer splits each text it is given into words all at once, at about 80 bytes of
 # memory a character: a 45 MB document took 4 GB. It is given long documents in pieces cut
-# between words, and counts the same words.
-TOKENIZER_PIECE_CHARS = 100_000
+# between words, and counts the same words; the encoder is given them in the same pieces.
+PIECE_CHARS = 100_000
+# How documents become rows, recorded in checkpoints: every document's tokens, cut into
+# windows of seq_len + 1 (earlier versions clipped each document to one row).
+FRAMING = "windows"
 
 
 # ---------------------------------------------------------------------------------------
@@ -260,7 +264,7 @@ def train_tokenizer(texts: datasets.Dataset, vocab_size: int) -> Tokenizer:
     def batches():
         seen = 0
         for batch in texts.iter(batch_size=1000):
-            yield [piece for text in batch["text"] for piece in pieces(text, TOKENIZER_PIECE_CHARS, pre_tokenizer)]
+            yield [piece for text in batch["text"] for piece in pieces(text, PIECE_CHARS, pre_tokenizer)]
             seen += sum(map(len, batch["text"]))
             if seen >= TOKENIZER_TRAIN_CHARS:
                 return
@@ -347,31 +351,6 @@ def pieces(text: str, chars: int, pre_tokenizer):
         start += len(piece)
 
 
-def encode_clipped(tokenizer: Tokenizer, text: str, chars: int, need: int) -> list[int]:
-    """The ids of text, at least the first `need` of them exactly as encoding it whole gives,
-    from ever longer clips (2x each time). A clip inside one long piece is taken once a clip
-    twice as long agrees with it on those `need` ids."""
-    previous = None
-    while True:
-        clip, exact = clip_text(text, chars, tokenizer.pre_tokenizer)
-        ids = tokenizer.encode(clip, add_special_tokens=False).ids
-        if len(clip) == len(text) or (len(ids) >= need and (exact or ids[:need] == previous)):
-            return ids
-        previous, chars = (None if exact else ids[:need]), 2 * chars
-
-
-def clip_chars(texts: list[str], tokenizer: Tokenizer, max_len: int) -> int | None:
-    """How much of a document to encode: enough characters for max_len tokens with room to
-    spare, judged from how many characters a token takes in a sample of the corpus (the
-    same sample on every rank, so every rank finds the same `datasets` cache). None: encode
-    documents whole, because cutting could change a token."""
-    if not clip_is_exact(tokenizer):
-        return None
-    sample = [t[:20_000] for t in texts]
-    tokens = sum(len(e.ids) for e in tokenizer.encode_batch(sample, add_special_tokens=False))
-    return int(1.3 * max_len * sum(map(len, sample)) / max(1, tokens)) + 100
-
-
 def text_only(tokenizer: Tokenizer) -> Tokenizer:
     """A copy of the tokenizer that encodes "[PAD]", "[EOT]" and the like in a text as the
     text they are, never as special ids: only the trainer's framing makes those. (The setting
@@ -381,37 +360,61 @@ def text_only(tokenizer: Tokenizer) -> Tokenizer:
     return tokenizer
 
 
-def _encode(batch, tokenizer: Tokenizer, max_len: int, clip_at: int | None):
-    """Frame and clip a batch of documents: [BOT] + ids + [EOT], at most max_len tokens."""
+def _encode(batch, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool):
+    """Frame every document, [BOT] + ids + [EOT], and cut it into windows of seq_len + 1
+    tokens that overlap by one: every token after [BOT] is a target in exactly one window,
+    and only a document's last window is short (padded later, as a short document's one
+    window is). A long document is encoded in pieces cut where no token changes (see
+    clip_text; with a tokenizer that could change one there, exact_cuts is False and
+    tokenize has warned), so its memory stays that of a piece."""
     tokenizer.encode_special_tokens = True  # text is text (see text_only); lost when pickled to a worker
     bot, eot = tokenizer.token_to_id(BOT), tokenizer.token_to_id(EOT)
     texts = batch["text"]
-    # Encode only the first clip_at characters (and a little more, up to a safe cut) of each
-    # document: the model sees at most max_len - 1 of its tokens, and encoding the rest of a
-    # long document is wasted time (and, for a huge one, memory).
-    clips = [clip_text(t, clip_at, tokenizer.pre_tokenizer) for t in texts] if clip_at else [(t, True) for t in texts]
-    ids = [e.ids for e in tokenizer.encode_batch_fast([clip for clip, _ in clips], add_special_tokens=False)]
-    # The rare clip that gave fewer tokens than the model sees, or that had to cut inside one
-    # long piece, is encoded again from longer clips (the whole text at worst).
-    for i, ((clip, exact), x) in enumerate(zip(clips, ids)):
-        if len(clip) < len(texts[i]) and (len(x) < max_len - 1 or not exact):
-            ids[i] = encode_clipped(tokenizer, texts[i], 2 * clip_at, max_len - 1)
-    return {"input_ids": [[bot, *x[:max_len - 1], eot][:max_len] for x in ids]}
+    short = [i for i, t in enumerate(texts) if len(t) <= 2 * PIECE_CHARS]
+    ids = dict(zip(short, (e.ids for e in tokenizer.encode_batch_fast([texts[i] for i in short],
+                                                                        add_special_tokens=False))))
+    windows = []
+    for i, text in enumerate(texts):
+        if i in ids:
+            framed = np.array([bot, *ids.pop(i), eot], dtype=np.int64)
+        else:  # a long document: 16 pieces at a time, each group's encodings freed before the next
+            cut = pieces(text, PIECE_CHARS, tokenizer.pre_tokenizer if exact_cuts else None)
+            groups = iter(lambda: list(itertools.islice(cut, 16)), [])
+            framed = np.concatenate([[bot], *(np.array(e.ids, dtype=np.int64) for group in groups
+                                              for e in tokenizer.encode_batch_fast(group, add_special_tokens=False)),
+                                     [eot]])
+        windows.extend(framed[start:start + seq_len + 1] for start in range(0, len(framed) - 1, seq_len))
+    return {"input_ids": windows}
 
 
 def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int) -> datasets.Dataset:
-    """Frame and clip every document once; `datasets` caches the result on disk. Large
-    corpora are split over one process per core, each encoding with one thread."""
-    max_len = seq_len + 1
+    """Frame every document and cut it into windows of seq_len + 1 tokens, once: `datasets`
+    caches the result on disk. Large corpora are split over one process per core, each
+    encoding with one thread."""
     tokenizer = text_only(tokenizer)
-    clip_at = clip_chars(texts.select(range(min(200, len(texts))))["text"], tokenizer, max_len)
+    exact_cuts = clip_is_exact(tokenizer)
+    if not exact_cuts and _longest(texts) > 2 * PIECE_CHARS:
+        warn(f"documents longer than {2 * PIECE_CHARS:,} characters are encoded in pieces cut before "
+             "whitespace, and this tokenizer (not a byte-level BPE) may encode a few characters at each cut "
+             "differently from the whole text")
     num_proc = min(len(os.sched_getaffinity(0)), len(texts) // 5000) if hasattr(os, "sched_getaffinity") else 1
     # token ids in the narrowest type that holds them: 2 bytes each below 65,536 (8 as Python ints)
     ids = datasets.Value("uint16" if tokenizer.get_vocab_size() <= 2**16 else "uint32")
     with _tokenizer_threads(1 if num_proc > 1 else None):
         return texts.map(_encode, batched=True, remove_columns=["text"], num_proc=num_proc if num_proc > 1 else None,
-                         fn_kwargs={"tokenizer": tokenizer, "max_len": max_len, "clip_at": clip_at},
+                         fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "exact_cuts": exact_cuts},
                          features=datasets.Features({"input_ids": datasets.Sequence(ids)}), desc="tokenizing")
+
+
+def text_bytes(texts: datasets.Dataset) -> int:
+    """The UTF-8 bytes of every document's text, from the Arrow column (no Python strings)."""
+    return pyarrow.compute.sum(pyarrow.compute.binary_length(texts.with_format("arrow")[:]["text"])).as_py() or 0
+
+
+def _longest(texts: datasets.Dataset) -> int:
+    """The longest document's characters, from the Arrow column (no Python strings)."""
+    lengths = pyarrow.compute.utf8_length(texts.data.column("text"))
+    return pyarrow.compute.max(lengths).as_py() or 0
 
 
 @contextlib.contextmanager
@@ -445,13 +448,23 @@ class PaddedSequenceDataset(torch.utils.data.Dataset):
     one array of uint16 (or uint32) token ids and are padded together, with no Python loop
     over tokens or rows."""
 
-    rows: datasets.Dataset  # column "input_ids": [BOT] + ids + [EOT], at most seq_len + 1 long
+    rows: datasets.Dataset  # column "input_ids": windows of [BOT] + ids + [EOT], at most seq_len + 1 long
     seq_len: int
     pad_id: int
     corpus: dict | None = None  # the fingerprint of the corpus it was cut from; checkpoints record it
+    documents: int | None = None  # how many documents the windows were cut from
+    text_bytes: int | None = None  # the UTF-8 bytes of their text (for bits per byte)
 
     def __len__(self):
         return len(self.rows)
+
+    def facts(self) -> dict:
+        """What an epoch trains on: documents, windows, tokens (targets, not padding), and the
+        share of positions that are padding."""
+        lengths = pyarrow.compute.list_value_length(self.rows.with_format("arrow")[:]["input_ids"])
+        tokens = pyarrow.compute.sum(lengths).as_py() - len(self.rows)  # each window predicts all but its first
+        return {"documents": self.documents, "windows": len(self.rows), "tokens_per_epoch": tokens,
+                "padding": 1 - tokens / (len(self.rows) * self.seq_len)}
 
     def __getitem__(self, i):
         return self.__getitems__([i])[0]

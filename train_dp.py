@@ -61,7 +61,7 @@ def main():
     loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
                         pin_memory=device.type == "cuda")
     val_loader = training.val_loader(val_ds, rank, world_size, micro_batch)
-    metrics = training.MetricsLog(cfg.out_dir, enabled=is_main, resume_step=step)
+    metrics = training.MetricsLog(cfg.out_dir, enabled=is_main, resume_step=step, facts=train_ds.facts())
     writer = checkpointing.CheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
     stop = training.StopSignal()  # SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
     if is_main:
@@ -120,9 +120,10 @@ def main():
             if (step % cfg.eval_every == 0 or step == last_step) and not preempted:
                 totals = training.evaluate(raw_model, val_loader, device)  # the plain module: no wrapper
                 val_loss = (totals[0] / totals[1]).item()
-                metrics.write(step=step, epoch=epoch, val_loss=val_loss)
+                val_bpb = training.bits_per_byte(totals[0], val_ds)  # per byte of text: comparable across tokenizers
+                metrics.write(step=step, epoch=epoch, val_loss=val_loss, val_bpb=val_bpb)
                 if is_main:  # tqdm.write prints even where the bar is disabled
-                    tqdm.write(f"step {step}: val loss {val_loss:.4f}")
+                    tqdm.write(f"step {step}: val loss {val_loss:.4f} | {val_bpb:.4f} bits per byte")
         if preempted:
             break
     pbar.close()
@@ -131,8 +132,9 @@ def main():
     if is_main:
         if step == total_steps:  # raw_model, not model: no `module.` prefix in the keys
             checkpointing.atomic_save(raw_model.state_dict(), Path(cfg.out_dir) / checkpointing.MODEL)
-        print(training.summary(cfg, step, total_steps, first_step, time.perf_counter() - started, loss, val_loss,
-                               preempted, writer.checkpoint_at(step)))
+        trained = speedometer.trained + round(train_totals[1].item())  # and the steps since the last log
+        print(training.summary(cfg, step, total_steps, first_step, trained, time.perf_counter() - started, loss,
+                               val_loss, preempted, writer.checkpoint_at(step)))
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def main():
     loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
                         pin_memory=device.type == "cuda")
     val_loader = training.val_loader(val_ds, rank, world_size, micro_batch, same_length=True)  # FSDP: see there
-    metrics = training.MetricsLog(cfg.out_dir, enabled=is_main, resume_step=step)
+    metrics = training.MetricsLog(cfg.out_dir, enabled=is_main, resume_step=step, facts=train_ds.facts())
     writer = sharded_checkpointing.ShardedCheckpointWriter(cfg.out_dir, cfg.keep_checkpoints, prep)  # FSDP: all ranks
     stop = training.StopSignal()  # SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
     if is_main:
@@ -165,9 +165,10 @@ def main():
                 totals = training.evaluate(raw_model, val_loader, device)  # the plain module: no wrapper
                 dist.all_reduce(totals)  # [loss sum, targets] over every rank's shard
                 val_loss = (totals[0] / totals[1]).item()
-                metrics.write(step=step, epoch=epoch, val_loss=val_loss)
+                val_bpb = training.bits_per_byte(totals[0], val_ds)  # per byte of text: comparable across tokenizers
+                metrics.write(step=step, epoch=epoch, val_loss=val_loss, val_bpb=val_bpb)
                 if is_main:  # tqdm.write prints even where the bar is disabled
-                    tqdm.write(f"step {step}: val loss {val_loss:.4f}")
+                    tqdm.write(f"step {step}: val loss {val_loss:.4f} | {val_bpb:.4f} bits per byte")
         if preempted:
             break
     pbar.close()
@@ -178,8 +179,9 @@ def main():
     if is_main:
         if step == total_steps:  # plain keys, as the other scripts write them
             checkpointing.atomic_save(full_state, Path(cfg.out_dir) / checkpointing.MODEL)
-        print(training.summary(cfg, step, total_steps, first_step, time.perf_counter() - started, loss, val_loss,
-                               preempted, writer.checkpoint_at(step)))
+        trained = speedometer.trained + round(train_totals[1].item())  # and the steps since the last log
+        print(training.summary(cfg, step, total_steps, first_step, trained, time.perf_counter() - started, loss,
+                               val_loss, preempted, writer.checkpoint_at(step)))
     dist.destroy_process_group()
 
 

@@ -50,7 +50,7 @@ def prepare_data(cfg: TrainConfig, turns=OneProcess(), sharded: bool = False, mo
     vocabulary size, as soon as it is known."""
     resuming = turns.everywhere(lambda: checkpointing.resuming(cfg.out_dir, cfg.resume))  # refuses to overwrite a run
     ckpt = turns.everywhere(lambda: load_run(cfg.out_dir, sharded)) if resuming else None
-    train_text, val_text, corpus = turns.local_rank0_first(lambda: load_text(cfg, ckpt))
+    train_text, val_text, corpus = load_text(cfg, ckpt, turns)
     # one tokenizer for the whole job: rank 0 trains (or loads) it and sends it to all
     tokenizer = Tokenizer.from_str(turns.from_rank0(lambda: get_tokenizer(cfg, train_text, resuming).to_str()))
     if model_fits:  # a model too big for the device is refused before tokenizing, and before anything is written
@@ -73,11 +73,19 @@ def claim_out_dir(cfg: TrainConfig, ckpt: dict | None):
                          "into the folder): start again")
 
 
-def load_text(cfg: TrainConfig, ckpt: dict | None = None):
-    """The corpus, split into training and held-out documents, and its fingerprint. A resumed
-    run must read exactly the documents its checkpoint was trained on."""
-    corpus = data.load_corpus(cfg.dataset, cfg.dataset_config, cfg.split, cfg.text_column)
-    fingerprint = data.fingerprint(corpus)
+def load_text(cfg: TrainConfig, ckpt: dict | None = None, turns=OneProcess()):
+    """The corpus, split into training and held-out documents, and its fingerprint. Each
+    node's local rank 0 loads it first (the others then read `datasets`' cache); rank 0 alone
+    hashes it (about 3 s a GB) and sends the fingerprint to all. A resumed run must read
+    exactly the documents its checkpoint was trained on."""
+    corpus = turns.local_rank0_first(
+        lambda: data.load_corpus(cfg.dataset, cfg.dataset_config, cfg.split, cfg.text_column))
+    fingerprint = turns.from_rank0(lambda: data.fingerprint(corpus))
+    return (*turns.everywhere(lambda: split_corpus(cfg, ckpt, corpus, fingerprint)), fingerprint)
+
+
+def split_corpus(cfg: TrainConfig, ckpt: dict | None, corpus, fingerprint: dict):
+    """Training and held-out documents, after checking that a resumed run reads its own."""
     if ckpt is not None:
         check_same_corpus(ckpt, fingerprint, cfg.dataset)
     # --val-docs as the number it stands for (its default depends on the corpus), in this run's
@@ -86,11 +94,7 @@ def load_text(cfg: TrainConfig, ckpt: dict | None = None):
     cfg.val_docs = cfg.val_docs or data.default_val_docs(len(corpus))
     if ckpt is not None:  # the same corpus (checked above): the same default
         ckpt["train_config"]["val_docs"] = ckpt["train_config"].get("val_docs") or data.default_val_docs(len(corpus))
-    train_text, val_text = data.split_train_val(corpus, cfg.val_docs, cfg.seed)
-    if len(train_text) < cfg.batch_size:  # one sequence per document: known before tokenizing
-        raise UsageError(f"dataset has {len(train_text)} training documents, fewer than one --batch-size "
-                         f"of {cfg.batch_size}")
-    return train_text, val_text, fingerprint
+    return data.split_train_val(corpus, cfg.val_docs, cfg.seed)
 
 
 def check_same_corpus(ckpt: dict, fingerprint: dict, dataset: str):
@@ -120,9 +124,20 @@ def get_tokenizer(cfg: TrainConfig, train_text, resuming: bool) -> Tokenizer:
 def make_datasets(cfg: TrainConfig, tokenizer: Tokenizer, train_text, val_text, corpus: dict | None = None):
     pad_id = tokenizer.token_to_id(data.PAD)
     train = data.PaddedSequenceDataset(data.tokenize(train_text, tokenizer, cfg.seq_len), cfg.seq_len, pad_id,
-                                       corpus)
-    val = data.PaddedSequenceDataset(data.tokenize(val_text, tokenizer, cfg.seq_len), cfg.seq_len, pad_id)
+                                       corpus, documents=len(train_text))
+    val = data.PaddedSequenceDataset(data.tokenize(val_text, tokenizer, cfg.seq_len), cfg.seq_len, pad_id,
+                                     documents=len(val_text), text_bytes=data.text_bytes(val_text))
+    if len(train) < cfg.batch_size:  # not one step's worth
+        raise UsageError(f"dataset has {len(train)} training windows of --seq-len {cfg.seq_len} (from "
+                         f"{len(train_text)} documents), fewer than one --batch-size of {cfg.batch_size}")
     return train, val
+
+
+def bits_per_byte(loss_sum: torch.Tensor, val_ds: data.PaddedSequenceDataset) -> float:
+    """The held-out loss in bits per UTF-8 byte of its documents' text: the summed loss over
+    every token (in nats: / ln 2 for bits), over the bytes they encode. Unlike the loss per
+    token, it does not depend on the tokenizer."""
+    return loss_sum.item() / math.log(2) / val_ds.text_bytes
 
 
 def val_loader(val_ds, rank: int, world_size: int, batch_size: int, same_length: bool = False):
@@ -225,6 +240,9 @@ def resume(ckpt: dict | None, cfg: TrainConfig, model, optimizer, scheduler, ste
         if f.metadata["same_on_resume"] and was != now:
             raise UsageError(f"--{f.name.replace('_', '-')} was {was!r} in the checkpoint's run, now {now!r}: "
                              "resume with the same value")
+    if ckpt.get("framing") != data.FRAMING:  # older checkpoints trained on each document's first seq_len tokens
+        raise UsageError(f"{Path(ckpt['path']).name} was trained on documents clipped to one row each (an earlier "
+                         "version of this trainer); this one trains on every token, in windows: start a new run")
     if ckpt["steps_per_epoch"] != steps_per_epoch:
         raise UsageError(f"the dataset changed since the checkpoint ({steps_per_epoch} steps per epoch, "
                          f"was {ckpt['steps_per_epoch']})")
@@ -301,8 +319,9 @@ def devices_in_use(model: torch.nn.Module) -> int:
 def throughput(seconds: float, steps: int, cfg: TrainConfig, nonpad_tokens: float, flops_per_token: int,
                peak: float | None) -> dict:
     """Speed over `steps` optimizer steps that took `seconds` of wall time, data loading
-    included. tokens_per_s counts every position, pads too (that is the work done);
-    tokens_per_s_nonpad only the real targets. MFU: achieved over peak FLOP/s, all devices."""
+    included. tokens_per_s counts every position, pads too, and so do TFLOP/s and MFU (achieved
+    over peak FLOP/s, all devices): the work the hardware did. tokens_per_s_nonpad counts the
+    real targets alone: the useful throughput, which the progress bar and the summary show."""
     tokens_per_s = steps * cfg.batch_size * cfg.seq_len / seconds
     speed = {"tokens_per_s": tokens_per_s, "tokens_per_s_nonpad": nonpad_tokens / seconds,
              "flops_per_token": flops_per_token, "tflops": flops_per_token * tokens_per_s / 1e12}
@@ -318,6 +337,7 @@ class Speedometer:
     def __init__(self, cfg: TrainConfig, flops_per_token: int, peak: float | None):
         self.cfg, self.flops_per_token, self.peak = cfg, flops_per_token, peak
         self.start, self.steps = time.perf_counter(), 0
+        self.trained = 0  # real (non-pad) targets reported so far: the tokens this process trained on
 
     def step(self):
         self.steps += 1
@@ -333,6 +353,7 @@ class Speedometer:
     def report(self, nonpad_tokens: float) -> dict:
         """The metrics.jsonl speed fields since the last report; then start over."""
         now = time.perf_counter()
+        self.trained += round(nonpad_tokens)
         speed = throughput(now - self.start, self.steps, self.cfg, nonpad_tokens, self.flops_per_token, self.peak)
         self.start, self.steps = now, 0
         return speed
@@ -340,7 +361,8 @@ class Speedometer:
 
 def progress(loss: float, speed: dict) -> dict:
     """What the progress bar shows next to the step count."""
-    shown = {"loss": f"{loss:.3f}", "tok_s": f"{speed['tokens_per_s']:,.0f}", "tflops": f"{speed['tflops']:.3g}"}
+    # tok_s: the real tokens trained a second; TFLOP/s (and MFU) count every position, pads too
+    shown = {"loss": f"{loss:.3f}", "tok_s": f"{speed['tokens_per_s_nonpad']:,.0f}", "tflops": f"{speed['tflops']:.3g}"}
     return {**shown, "mfu": f"{speed['mfu']:.1%}"} if "mfu" in speed else shown
 
 
@@ -359,8 +381,11 @@ def describe(model: LlamaForPretraining, train_ds, steps_per_epoch: int, total_s
     ddp = torch.distributed.is_initialized()
     ranks = f" x {torch.distributed.get_world_size()} ranks" if ddp else ""
     backend = f" ({torch.distributed.get_backend()})" if ddp else ""
-    return (f"{model.num_parameters() / 1e6:.1f}M parameters | {len(train_ds)} training sequences | "
-            f"{steps_per_epoch} steps per epoch | {total_steps} steps | {micro_batch} sequences x "
+    facts = train_ds.facts()
+    return (f"{model.num_parameters() / 1e6:.1f}M parameters | {facts['documents']:,} documents: all their "
+            f"{facts['tokens_per_epoch']:,} tokens an epoch, in {facts['windows']:,} windows of {cfg.seq_len} "
+            f"({facts['padding']:.1%} padding) | {steps_per_epoch} steps per epoch | {total_steps} steps | "
+            f"{micro_batch} sequences x "
             f"{cfg.grad_accum} micro-steps per step{ranks} | device {device}{backend} "
             f"| {dtype}{' | compiled' if cfg.compile else ''}"
             f"{' | activation checkpointing' if cfg.activation_checkpointing else ''}")
@@ -437,12 +462,15 @@ class MetricsLog:
     (or restarted) run first drops the rows logged after its checkpoint: those steps are
     trained again."""
 
-    def __init__(self, out_dir: str, enabled: bool, resume_step: int = 0):
+    def __init__(self, out_dir: str, enabled: bool, resume_step: int = 0, facts: dict | None = None):
         self.path = Path(out_dir) / METRICS
         self.enabled = enabled
+        kept = []
         if enabled and self.path.exists():
             kept = [row for row in read_metrics(self.path, warn_if_torn=False) if row["step"] <= resume_step]
             atomic_save("".join(json.dumps(row) + "\n" for row in kept), self.path)
+        if facts and not kept:  # a new run's first row: what an epoch trains on (data.PaddedSequenceDataset.facts)
+            self.write(step=0, **facts)
 
     def write(self, **row):
         if self.enabled:
@@ -455,15 +483,16 @@ class MetricsLog:
                 raise
 
 
-def summary(cfg: TrainConfig, step: int, total_steps: int, first_step: int, seconds: float,
+def summary(cfg: TrainConfig, step: int, total_steps: int, first_step: int, trained: int, seconds: float,
             loss: float | None, val_loss: float | None, preempted: bool, checkpoint: Path) -> str:
-    """The end-of-run report: how far, how fast, how well, and what to do next (checkpoint:
-    the newest checkpoint, which --resume continues from)."""
+    """The end-of-run report: how far, how fast, how well, and what to do next (trained: the
+    real tokens this session trained on; checkpoint: the newest checkpoint, which --resume
+    continues from)."""
     out = Path(cfg.out_dir)
-    tokens = (step - first_step) * cfg.batch_size * cfg.seq_len
+    positions = (step - first_step) * cfg.batch_size * cfg.seq_len
     how = "done" if step == total_steps else "stopped by a signal" if preempted else "stopped"
-    report = [f"{how} after step {step} of {total_steps}: {tokens:,} tokens in "
-              f"{datetime.timedelta(seconds=round(seconds))}"
+    report = [f"{how} after step {step} of {total_steps}: {trained:,} tokens ({positions:,} positions with "
+              f"padding) in {datetime.timedelta(seconds=round(seconds))}"
               + (f" | train loss {loss:.4f}" if loss is not None else "")
               + (f" | val loss {val_loss:.4f}" if val_loss is not None else "")]
     if step < total_steps:

@@ -328,7 +328,7 @@ class Floor:
     loss: float     # max relative difference of a logged loss or val loss
 
 
-LOSSES = ("loss", "val_loss")
+LOSSES = ("loss", "val_loss", "val_bpb")  # val_bpb: the held-out loss in bits per byte, a loss too
 
 
 def logged_losses(run: Path) -> list:

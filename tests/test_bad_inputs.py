@@ -75,7 +75,7 @@ FRESH_RUN_CASES = [
     ("unknown-preset", "train_dp.py", ["--model", "huge"], "invalid choice: 'huge'"),
     ("zero-lr", "train_dp.py", ["--lr", "0"], "--lr must be a positive number"),
     ("zero-steps", "train_ddp.py", ["--max-steps", "0"], "--max-steps must be at least 1"),
-    ("too-few-documents", "train_dp.py", ["--batch-size", "512"], "fewer than one --batch-size of 512"),
+    ("too-few-windows", "train_dp.py", ["--batch-size", "4096"], "fewer than one --batch-size of 4096"),
     ("resume-without-checkpoint", "train_dp.py", ["--resume"], "nothing to resume"),
     ("text-column-of-numbers", "train_dp.py", ["--dataset", "{numbers}"], "column 'text' of dataset"),
     ("text-column-of-lists", "train_ddp.py", ["--dataset", "{lists}"], "not text"),
@@ -399,3 +399,16 @@ def test_val_docs_is_compared_as_the_documents_it_holds_out(runs, tmp_path, caps
                        "--val-docs was 2 in the checkpoint's run, now 3: resume with the same value", capsys)
     train("train_dp.py", [*default, "--val-docs", "2", "--resume", "--stop-at-step", "4"])
     assert torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)["step"] == 4
+
+
+def test_a_checkpoint_of_clipped_documents_is_refused(finished_run, corpus, tmp_path, capsys):
+    """Before documents were cut into windows, each was clipped to one row: a checkpoint of
+    that version (no "framing" recorded) would resume at a position in other rows."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    for path in out.glob("checkpoint*.pt"):
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        del ckpt["framing"]
+        torch.save(ckpt, path)
+    refused_in_process("train_dp.py", ["--dataset", str(corpus), *FAST, "--resume"], out,
+                       "was trained on documents clipped to one row each", capsys)

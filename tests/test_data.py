@@ -79,13 +79,17 @@ def test_token_ids_are_stored_in_the_narrowest_type_that_holds_the_vocabulary(vo
     assert framed.features["input_ids"].feature.dtype == stored
 
 
-def test_documents_longer_than_seq_len_are_clipped(tokenizer):
-    texts = datasets.Dataset.from_dict({"text": [" ".join(["word"] * 100)]})
-    framed = data.tokenize(texts, tokenizer, seq_len=8)[0]["input_ids"]
-    assert len(framed) == 9 and framed[0] == tokenizer.token_to_id(BOT)
-    assert tokenizer.token_to_id(EOT) not in framed  # clipped before the end
-    x, y = PaddedSequenceDataset(data.tokenize(texts, tokenizer, 8), 8, 0)[0]
-    assert x.tolist() == framed[:8] and y.tolist() == framed[1:]
+def test_a_document_longer_than_seq_len_is_cut_into_windows_that_overlap_by_one_token(tokenizer):
+    text = " ".join(DOCS)
+    texts = datasets.Dataset.from_dict({"text": [text]})
+    framed = [tokenizer.token_to_id(BOT), *tokenizer.encode(text).ids, tokenizer.token_to_id(EOT)]
+    windows = data.tokenize(texts, tokenizer, seq_len=8)["input_ids"]
+    assert windows[0] == framed[:9] and len(windows) == -(-(len(framed) - 1) // 8)
+    assert all(len(w) == 9 for w in windows[:-1]) and 2 <= len(windows[-1]) <= 9  # only the last one short
+    assert all(a[-1] == b[0] for a, b in zip(windows, windows[1:]))  # each begins where the one before ends
+    ds = PaddedSequenceDataset(data.tokenize(texts, tokenizer, 8), 8, 0)
+    targets = [t for i in range(len(ds)) for t in ds[i][1].tolist() if t != IGNORE_INDEX]
+    assert targets == framed[1:]  # every token after [BOT] a target, once: the last window padded
 
 
 def test_tokenize_frames_every_document_with_bot_and_eot(tokenizer):
@@ -127,7 +131,7 @@ def test_tokenizing_happens_once_and_is_read_back_from_the_cache(tokenizer, tmp_
 
 
 def hostile_texts(n, seed=0):
-    """Documents built to trip a clipped encoding: runs of spaces and tabs, Windows line ends,
+    """Documents built to trip an encoding in pieces: runs of spaces and tabs, Windows line ends,
     no-break and ideographic spaces, control characters that Python counts as whitespace and
     the tokenizer does not, contractions, special-token look-alikes, CJK without spaces."""
     import random
@@ -155,25 +159,46 @@ def unbroken_texts(n=60, seed=0):
     return [rng.choice(makers)() for _ in range(n)]
 
 
-def whole_document_ids(texts, tokenizer, seq_len):
-    """The reference: encode every document whole (special-token look-alikes as text), then
-    frame and clip it."""
+def windows_of_whole_documents(texts, tokenizer, seq_len):
+    """The reference, from the tokenizer's own encoding of every document whole (special-token
+    look-alikes as text): framed, [BOT] + ids + [EOT], then cut so that window k holds tokens
+    k * seq_len to k * seq_len + seq_len (one more than it predicts), while any target is left."""
     bot, eot = tokenizer.token_to_id(BOT), tokenizer.token_to_id(EOT)
-    encodings = data.text_only(tokenizer).encode_batch(texts, add_special_tokens=False)
-    return [([bot] + e.ids + [eot])[:seq_len + 1] for e in encodings]
+    windows = []
+    for encoding in data.text_only(tokenizer).encode_batch(texts, add_special_tokens=False):
+        framed = [bot] + encoding.ids + [eot]
+        k = 0
+        while k * seq_len < len(framed) - 1:
+            windows.append(framed[k * seq_len:k * seq_len + seq_len + 1])
+            k += 1
+    return windows
 
 
 @pytest.mark.parametrize("seq_len", [8, 32, 128])
-def test_clipping_text_before_encoding_changes_no_token_the_model_sees(seq_len):
-    texts = hostile_texts(600) + unbroken_texts() + [" ".join(["the model reads tokens"] * 200)] + DOCS
+def test_every_token_of_every_document_is_a_target_once(seq_len, monkeypatch):
+    """Long documents, hostile ones among them, encoded in pieces of 1,000 to 2,000 characters
+    (PIECE_CHARS lowered: they are over 2 x 100,000 in real use) give the windows of the whole
+    documents: as many as their tokens need, and every token after [BOT] predicted in exactly
+    one of them."""
+    monkeypatch.setattr(data, "PIECE_CHARS", 1_000)
+    # (a text that is one piece for the tokenizer, 2,000 letters or more with nothing between,
+    # has no exact cut: the next test shows that it loses nothing all the same)
+    one_piece = pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str
+    unbroken = [t for t in unbroken_texts() if max(len(p) for p, _ in one_piece(t)) < 1_000]
+    texts = hostile_texts(600) + unbroken + [" ".join(["the model reads tokens"] * 200)] + DOCS
     tokenizer = data.train_tokenizer(datasets.Dataset.from_dict({"text": texts}), vocab_size=400)
-    assert data.clip_is_exact(tokenizer)
-    framed = data.tokenize(datasets.Dataset.from_dict({"text": texts}), tokenizer, seq_len)["input_ids"]
-    assert framed == whole_document_ids(texts, tokenizer, seq_len)
+    assert data.clip_is_exact(tokenizer) and max(map(len, texts)) > 2_016
+    windows = data.tokenize(datasets.Dataset.from_dict({"text": texts}), tokenizer, seq_len)["input_ids"]
+    assert windows == windows_of_whole_documents(texts, tokenizer, seq_len)
+    encoded = data.text_only(tokenizer).encode_batch(texts, add_special_tokens=False)
+    assert len(windows) == sum(-(-(len(e.ids) + 1) // seq_len) for e in encoded)  # ceil(targets / seq_len)
+    assert sum(len(w) - 1 for w in windows) == sum(len(e.ids) + 1 for e in encoded)  # each target once
 
 
-def test_a_huge_document_is_clipped_before_it_is_encoded(tokenizer):
-    """45 MB in one line would take gigabytes and minutes to encode whole, for 33 tokens."""
+def test_a_huge_document_is_encoded_in_pieces_never_whole(tokenizer):
+    """45 MB in one line would take gigabytes to encode whole: the encoder is given pieces cut
+    where no token changes, and the windows are those of the whole document. One piece of
+    8 MB of letters has no such cut: it is cut anyway, and no character is lost."""
     seen = []
 
     class Recording:  # the real tokenizer, recording how much text it is given
@@ -184,19 +209,15 @@ def test_a_huge_document_is_clipped_before_it_is_encoded(tokenizer):
             seen.extend(map(len, texts))
             return tokenizer.encode_batch_fast(texts, **kwargs)
 
-        def encode(self, text, **kwargs):
-            seen.append(len(text))
-            return tokenizer.encode(text, **kwargs)
-
     huge = " ".join(["gradients flow back through every layer"] * 200_000)  # 8 MB
     minified = json.dumps([{"layer": i, "grad": [0.5, 1.5]} for i in range(200_000)], separators=(",", ":"))
     letters = "abcdefgh" * 1_000_000  # 8 MB, one piece: no cut between two tokens is known to be exact
-    clip_at = data.clip_chars([huge[:20_000]], tokenizer, max_len=33)
-    framed = data._encode({"text": [huge, minified, letters, DOCS[0]]}, Recording(), max_len=33,
-                          clip_at=clip_at)["input_ids"]
-    assert framed == whole_document_ids([huge[:10_000], minified[:10_000], letters[:100_000], DOCS[0]],
-                                        tokenizer, 32)
-    assert max(seen) < 2_000  # never the whole document
+    windows = data._encode({"text": [huge, minified, DOCS[0]]}, Recording(), seq_len=512, exact_cuts=True)["input_ids"]
+    assert [w.tolist() for w in windows] == windows_of_whole_documents([huge, minified, DOCS[0]], tokenizer, 512)
+    assert max(seen) <= 2 * data.PIECE_CHARS + 16  # never a whole document
+    windows = data._encode({"text": [letters]}, Recording(), seq_len=512, exact_cuts=True)["input_ids"]
+    ids = [t for w in windows for t in w.tolist()[1:]]
+    assert tokenizer.decode(ids[:-1]) == letters and max(seen) <= 2 * data.PIECE_CHARS + 16
 
 
 def test_the_bpe_trainer_reads_long_documents_in_pieces_and_learns_what_it_learns_from_them_whole(monkeypatch):
@@ -216,22 +237,28 @@ def test_the_bpe_trainer_reads_long_documents_in_pieces_and_learns_what_it_learn
         return real_train(self, (given.append(list(batch)) or batch for batch in iterator), trainer)
 
     monkeypatch.setattr(Tokenizer, "train_from_iterator", recording)
-    monkeypatch.setattr(data, "TOKENIZER_PIECE_CHARS", 1_000)
+    monkeypatch.setattr(data, "PIECE_CHARS", 1_000)
     pieced = data.train_tokenizer(datasets.Dataset.from_dict({"text": texts}), vocab_size=400)
     assert max(map(len, texts)) > 60_000 and max(len(piece) for batch in given for piece in batch) <= 2_016
     assert "".join(piece for batch in given for piece in batch) == "".join(texts)
     assert pieced.to_str() == whole.to_str()
 
 
-def test_a_tokenizer_that_cutting_could_change_encodes_whole_documents():
+def test_a_tokenizer_that_cutting_could_change_encodes_documents_whole_or_says_so(monkeypatch, capsys):
+    """A normalizer could change a token at a cut: documents up to 2 x PIECE_CHARS characters
+    are encoded whole; a longer one is cut before whitespace all the same (its memory stays
+    bounded), and one line says that the tokens at those cuts may differ."""
     from tokenizers import normalizers
     texts = datasets.Dataset.from_dict({"text": DOCS * 20})
     lowercase = data.train_tokenizer(texts, vocab_size=300)
     lowercase.normalizer = normalizers.Lowercase()
-    assert not data.clip_is_exact(lowercase) and data.clip_chars(DOCS, lowercase, 9) is None
-    long_docs = [" ".join(DOCS * 30)] * 3
-    framed = data.tokenize(datasets.Dataset.from_dict({"text": long_docs}), lowercase, 8)["input_ids"]
-    assert framed == whole_document_ids(long_docs, lowercase, 8)
+    assert not data.clip_is_exact(lowercase)
+    long_docs = [" ".join(DOCS * 30)] * 3  # 3,000 characters
+    windows = data.tokenize(datasets.Dataset.from_dict({"text": long_docs}), lowercase, 8)["input_ids"]
+    assert windows == windows_of_whole_documents(long_docs, lowercase, 8) and capsys.readouterr().err == ""
+    monkeypatch.setattr(data, "PIECE_CHARS", 1_000)
+    data.tokenize(datasets.Dataset.from_dict({"text": long_docs}), lowercase, 8)
+    assert capsys.readouterr().err.startswith("warning: documents longer than 2,000 characters are encoded in pieces")
 
 
 def test_a_large_corpus_is_tokenized_by_one_process_per_core_with_the_same_result(tokenizer, tmp_path, monkeypatch):
@@ -242,7 +269,7 @@ def test_a_large_corpus_is_tokenized_by_one_process_per_core_with_the_same_resul
     (tmp_path / "c.txt").write_text("\n".join(texts) + "\n")
     framed = data.tokenize(data.load_corpus(str(tmp_path / "c.txt")), tokenizer, seq_len=16)
     assert len(framed.cache_files) == 2  # one cache file per process
-    assert framed["input_ids"] == whole_document_ids(texts, tokenizer, 16)
+    assert framed["input_ids"] == windows_of_whole_documents(texts, tokenizer, 16)
 
 
 # ---- every --dataset form ---------------------------------------------------------------
@@ -463,3 +490,8 @@ def test_sampler_can_start_part_way_through_an_epoch():
     full = list(sampler)
     sampler.set_epoch(4, start=6)
     assert list(sampler) == full[6:] and len(sampler) == len(full) - 6
+
+
+def test_text_bytes_counts_utf8_bytes_not_characters():
+    texts = datasets.Dataset.from_dict({"text": ["héllo", "日本語", "abc", "x"]}).select([0, 1, 2])  # an index mapping
+    assert data.text_bytes(texts) == len("héllo".encode()) + len("日本語".encode()) + 3 == 18

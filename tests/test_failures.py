@@ -77,7 +77,8 @@ def test_preempted_ddp_ranks_agree_on_a_step_save_and_exit_0_even_with_a_save_ha
     summary = proc.stdout[proc.stdout.index("stopped by a signal"):].splitlines()
     rows = metrics(out)
     loss, val_loss = [r["loss"] for r in rows if "loss" in r][-1], [r["val_loss"] for r in rows if "val_loss" in r][-1]
-    assert re.fullmatch(rf"stopped by a signal after step 6 of 8: 1,536 tokens in \d+:\d\d:\d\d \| train loss "
+    assert re.fullmatch(rf"stopped by a signal after step 6 of 8: [\d,]+ tokens \(1,536 positions with padding\) "
+                        rf"in \d+:\d\d:\d\d \| train loss "
                         rf"{loss:.4f} \| val loss {val_loss:.4f}", summary[0]), summary
     assert summary[1:] == [f"checkpoint saved in {out}/checkpoint.pt; continue with --resume"]
     assert exit_codes(tmp_path) == {"exit-rank0": "0", "exit-rank1": "0"}

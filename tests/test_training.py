@@ -2,6 +2,7 @@
 exact; only rank 0 writes; the files load as documented."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -151,12 +152,14 @@ def test_a_saved_tokenizer_reproduces_the_run(runs, tmp_path):
 
 
 def test_resume_across_an_epoch_boundary_is_bitwise_exact(runs, tmp_path):
-    """231 training documents in global batches of 32: 7 steps per epoch. Stopped at step 4
-    and resumed, the run reshuffles for epoch 1 at step 7 exactly as a straight run does."""
-    epochs = ["--batch-size", "32", "--max-steps", "10", "--log-every", "1"]
+    """231 training documents, cut into windows, in global batches of 64: fewer than 12 steps
+    an epoch. Stopped at step 4 and resumed, the run reshuffles for epoch 1 exactly as a
+    straight run does."""
+    epochs = ["--batch-size", "64", "--max-steps", "12", "--log-every", "1"]
     straight = runs("dp_two_epochs", "train_dp.py", epochs)
-    assert [row["epoch"] for row in metrics(straight) if "loss" in row] == [0] * 7 + [1] * 3
-    assert "| 7 steps per epoch | 10 steps |" in runs.output["dp_two_epochs"]
+    per_epoch = int(re.search(r"\| (\d+) steps per epoch \| 12 steps \|", runs.output["dp_two_epochs"]).group(1))
+    assert 4 < per_epoch < 12
+    assert [row["epoch"] for row in metrics(straight) if "loss" in row] == [0] * per_epoch + [1] * (12 - per_epoch)
     half = runs.copy(runs("dp_two_epochs_half", "train_dp.py", [*epochs, "--stop-at-step", "4"]), tmp_path / "half")
     train("train_dp.py", ["--dataset", str(runs.corpus), *FAST, *epochs, "--out-dir", str(half), "--resume"])
     assert_same_model(half, straight)
@@ -260,3 +263,59 @@ def test_compile_under_ddp_on_two_ranks_trains_the_same_model(runs, floor):
     model, _ = checkpointing.load_trained(compiled)  # plain keys: loads strictly into a plain model
     last = torch.load(compiled / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]  # step 8's
     assert all(torch.equal(model.state_dict()[k], last[k]) for k in state)
+
+
+def test_the_start_up_line_and_the_first_metrics_row_count_every_token_of_the_training_documents(runs):
+    """Counted again here from the run's own tokenizer: every training document's tokens and
+    its [EOT] are targets, in ceil(targets / 32) windows of 32 predictions each."""
+    out = runs("dp", "train_dp.py")
+    cfg = training.parse_args(["--dataset", str(runs.corpus), *FAST])
+    train_text, _, _ = training.load_text(cfg)
+    tokenizer = data.text_only(data.load_tokenizer(out / "tokenizer.json"))
+    targets = [len(e.ids) + 1 for e in tokenizer.encode_batch(train_text["text"], add_special_tokens=False)]
+    windows, tokens = sum(-(-n // 32) for n in targets), sum(targets)
+    padding = 1 - tokens / (windows * 32)
+    assert (f"| {len(train_text)} documents: all their {tokens:,} tokens an epoch, in {windows:,} windows of 32 "
+            f"({padding:.1%} padding) |") in runs.output["dp"]
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert first == {"step": 0, "documents": len(train_text), "windows": windows, "tokens_per_epoch": tokens,
+                     "padding": pytest.approx(padding)}
+
+
+def test_bits_per_byte_is_the_held_out_loss_over_the_bytes_of_the_held_out_text(runs):
+    """Computed directly: the final weights, every held-out document encoded whole and cut into
+    windows (test_data's reference), the summed cross-entropy of all their targets in bits, over
+    the UTF-8 bytes of those documents. The run logged it at its last evaluation (step 8)."""
+    import math
+
+    import torch.nn.functional as F
+    from test_data import windows_of_whole_documents
+    out = runs("dp", "train_dp.py")
+    logged = [row for row in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
+              if "val_bpb" in row]
+    assert len(logged) == 2  # --eval-every 4 of 8 steps: every evaluation logs it
+    cfg = training.parse_args(["--dataset", str(runs.corpus), *FAST])
+    _, val_text, _ = training.load_text(cfg)
+    model, tokenizer = checkpointing.load_trained(out)
+    nats = 0.0
+    with torch.no_grad():
+        for window in windows_of_whole_documents(val_text["text"], tokenizer, 32):
+            ids = torch.tensor([window])
+            nats += F.cross_entropy(model(ids[:, :-1])[0].double(), ids[0, 1:], reduction="sum").item()
+    text_bytes = sum(len(t.encode()) for t in val_text["text"])
+    assert logged[-1]["val_bpb"] == pytest.approx(nats / math.log(2) / text_bytes, rel=1e-5)
+
+
+def test_rank_0_alone_hashes_the_corpus_and_every_rank_gets_its_fingerprint(corpus, monkeypatch):
+    """Hashing the corpus takes about 3 s a GB: once per job, on rank 0, not once per rank.
+    Here as rank 1 sees it: the fingerprint comes from rank 0 (InTurns.from_rank0)."""
+    cfg = training.parse_args(["--dataset", str(corpus), *FAST])
+    from_rank0 = data.fingerprint(data.load_corpus(str(corpus)))
+
+    class Rank1(training.OneProcess):
+        def from_rank0(self, fn):
+            return from_rank0
+
+    monkeypatch.setattr(data, "fingerprint", lambda corpus: pytest.fail("a rank other than 0 hashed the corpus"))
+    train_text, val_text, fingerprint = training.load_text(cfg, None, Rank1())
+    assert fingerprint == from_rank0 and len(train_text) + len(val_text) == from_rank0["documents"]

@@ -304,8 +304,12 @@ def test_a_finished_run_ends_with_a_summary_of_steps_tokens_losses_and_files(run
     summary = printed[printed.index("done after step 8 of 8"):].splitlines()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     loss, val_loss = rows[-2]["loss"], rows[-1]["val_loss"]  # step 8: train row, then eval row
-    assert re.fullmatch(rf"done after step 8 of 8: 2,048 tokens in \d+:\d\d:\d\d \| train loss {loss:.4f} "
-                        rf"\| val loss {val_loss:.4f}", summary[0]), summary[0]  # 8 steps x 8 x 32 tokens
+    tokens = re.fullmatch(rf"done after step 8 of 8: ([\d,]+) tokens \(2,048 positions with padding\) in "
+                          rf"\d+:\d\d:\d\d \| train loss {loss:.4f} \| val loss {val_loss:.4f}", summary[0])
+    assert tokens, summary[0]  # 8 steps x 8 x 32 positions, and the real tokens among them: each logged
+    # interval (2 steps, 512 positions) trained its share of real ones, nonpad over all tokens/s
+    real = sum(512 * row["tokens_per_s_nonpad"] / row["tokens_per_s"] for row in rows if "loss" in row)
+    assert abs(int(tokens.group(1).replace(",", "")) - real) < 1 and real < 2_048
     assert summary[1] == f"weights in {out}/model.pt, with tokenizer.json, config.json and metrics.jsonl beside them"
     assert summary[2:] == [f"  sample:   python generate.py {out} --prompt 'The '",
                            f"  export:   python export_hf.py {out} {out}-hf",
@@ -314,17 +318,18 @@ def test_a_finished_run_ends_with_a_summary_of_steps_tokens_losses_and_files(run
 
 def test_the_summary_counts_only_the_steps_of_this_session():
     cfg = training.TrainConfig(out_dir="out", batch_size=64, seq_len=512)
-    text = training.summary(cfg, step=3000, total_steps=10000, first_step=1000, seconds=3725.4,
+    text = training.summary(cfg, step=3000, total_steps=10000, first_step=1000, trained=49_000_000, seconds=3725.4,
                             loss=3.25, val_loss=None, preempted=True, checkpoint=Path("out/checkpoint.pt"))
     assert text.splitlines() == [
-        "stopped by a signal after step 3000 of 10000: 65,536,000 tokens in 1:02:05 | train loss 3.2500",
+        "stopped by a signal after step 3000 of 10000: 49,000,000 tokens (65,536,000 positions with padding) in "
+        "1:02:05 | train loss 3.2500",
         "checkpoint saved in out/checkpoint.pt; continue with --resume"]
 
 
 def test_the_summary_quotes_paths_so_its_commands_paste_into_a_shell():
     import shlex
     cfg = training.TrainConfig(out_dir="my runs/ü 1", batch_size=8, seq_len=32, dataset="c.txt")
-    lines = training.summary(cfg, step=8, total_steps=8, first_step=0, seconds=3.0, loss=1.0, val_loss=1.0,
+    lines = training.summary(cfg, step=8, total_steps=8, first_step=0, trained=200, seconds=3.0, loss=1.0, val_loss=1.0,
                              preempted=False, checkpoint=Path("my runs/ü 1/checkpoint.pt")).splitlines()
     assert shlex.split(lines[2].split(":", 1)[1]) == ["python", "generate.py", "my runs/ü 1", "--prompt", "The "]
     assert shlex.split(lines[3].split(":", 1)[1]) == ["python", "export_hf.py", "my runs/ü 1", "my runs/ü 1-hf"]
