@@ -56,9 +56,9 @@ def parse_args():
 
 def word_frequencies():
     """Words and their counts, from the Python standard library's text (on every machine)."""
-    import data
+    import corpus
     counts = {}
-    for doc in data.stdlib_documents(data.stdlib_files()[:400]):
+    for doc in corpus.stdlib_documents(corpus.stdlib_files()[:400]):
         for word in re.findall(r"[a-z]{2,12}", doc["text"].lower()):
             counts[word] = counts.get(word, 0) + 1
     words = sorted(counts, key=counts.get, reverse=True)[:20000]

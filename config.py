@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 import checkpointing
+import corpus
 import data
 from errors import UsageError
 from model import PRESETS
@@ -34,7 +35,7 @@ class TrainConfig:
     from TRAINING_PRESETS for --model"."""
 
     # data
-    dataset: str = flag(data.EMBEDDED_CORPUS, "Hub dataset id, a local .txt/.jsonl/.json/.parquet file "
+    dataset: str = flag(corpus.EMBEDDED_CORPUS, "Hub dataset id, a local .txt/.jsonl/.json/.parquet file "
                         "or folder of them, or 'stdlib': the embedded corpus (Python's own standard library)")
     dataset_config: str | None = flag(None, "Hub dataset configuration, e.g. sample-10BT", type=str)
     split: str | None = flag(None, "Hub dataset split (default: train)", type=str)
@@ -143,11 +144,11 @@ def validate(cfg: TrainConfig):
         raise UsageError(f"--seq-len {cfg.seq_len} exceeds the {cfg.model} model's {max_pos} positions")
     if cfg.backend == "nccl" and not torch.cuda.is_available():
         raise UsageError("--backend nccl needs CUDA GPUs, and none is visible: leave --backend out (gloo on CPUs)")
-    data.check_dataset_flags(cfg.dataset, cfg.dataset_config, cfg.split)
+    corpus.check_dataset_flags(cfg.dataset, cfg.dataset_config, cfg.split)
     checkpointing.check_writable(cfg.out_dir)
     dataset = Path(cfg.dataset).expanduser()
     inside = dataset.is_dir() and Path(cfg.out_dir).resolve().is_relative_to(dataset.resolve())
-    if inside and cfg.dataset != data.EMBEDDED_CORPUS:
+    if inside and cfg.dataset != corpus.EMBEDDED_CORPUS:
         raise UsageError(f"--out-dir {cfg.out_dir} is inside the --dataset folder {cfg.dataset}: the run would "
                          "read its own files as data. Choose an --out-dir outside it")
 

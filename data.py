@@ -1,22 +1,19 @@
-"""Corpus loading, the BPE tokenizer and the padded-sequence dataset.
+"""The BPE tokenizer and the padded-sequence dataset (the corpus itself: corpus.py).
 
-A document becomes `[BOT] + ids + [EOT]`, clipped or right-padded to seq_len + 1 tokens;
-x = tokens[:-1] and y = tokens[1:], with the targets at [PAD] positions set to IGNORE_INDEX
-so the loss skips them. The corpus is tokenized once with `datasets.map`, which caches the
-result on disk: later epochs, later runs and the other ranks of a DDP job read the cache.
+A document becomes `[BOT] + ids + [EOT]`, cut into windows of seq_len + 1 tokens that
+overlap by one, the last one right-padded; x = window[:-1] and y = window[1:], with the
+targets at [PAD] positions set to IGNORE_INDEX so the loss skips them. Every token after
+[BOT] is thus a target exactly once. The corpus is tokenized once with `datasets.map`,
+which caches the result on disk: later epochs, later runs and the other ranks of a DDP job
+read the cache.
 """
 
 import contextlib
-import hashlib
-import importlib.util
 import itertools
 import json
-import logging
 import os
 import re
-import sysconfig
 from dataclasses import dataclass
-from pathlib import Path
 
 import datasets
 import numpy as np
@@ -30,14 +27,6 @@ from model import IGNORE_INDEX
 
 PAD, BOT, EOT = "[PAD]", "[BOT]", "[EOT]"
 SPECIAL_TOKENS = [PAD, BOT, EOT]
-EMBEDDED_CORPUS = "stdlib"
-# local file suffix -> the `datasets` builder that reads it
-FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-# A UTF-8 byte-order mark (some Windows editors write one) is not part of the first document:
-# the same file with and without it is the same data. The json and csv readers drop it already.
-BUILDER_OPTIONS = {"text": {"encoding": "utf-8-sig"}}
-COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # `datasets` decompresses these as it reads (.zst: with zstandard)
-KNOWN_FILES = f"{'/'.join(FILE_BUILDERS)} (optionally {'/'.join(COMPRESSIONS)})"
 # The tokenizer is trained on at most this much text: plenty for a BPE, and it keeps a
 # run on a 10B-token corpus from spending hours on tokenizer training.
 TOKENIZER_TRAIN_CHARS = 200_000_000
@@ -48,203 +37,6 @@ PIECE_CHARS = 100_000
 # How documents become rows, recorded in checkpoints: every document's tokens, cut into
 # windows of seq_len + 1 (earlier versions clipped each document to one row).
 FRAMING = "windows"
-
-
-# ---------------------------------------------------------------------------------------
-# The embedded default corpus: the Python standard library that ships with the interpreter
-
-
-def stdlib_files() -> list[str]:
-    """The standard library's .py files, test suites and installed packages left out."""
-    root = sysconfig.get_paths()["stdlib"]
-    skip = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
-    files = []
-    for folder, subfolders, names in os.walk(root):
-        subfolders[:] = sorted(d for d in subfolders if d not in skip)  # sorted: same order everywhere
-        files += [os.path.join(folder, n) for n in sorted(names)
-                  if n.endswith(".py") and not n.startswith("test_")]
-    return files
-
-
-def stdlib_documents(files: list[str], max_chars: int = 1500):
-    """Split each file at blank lines and pack consecutive blocks into documents of at
-    most max_chars characters (about 400 tokens: one function or class, roughly)."""
-    for path in files:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-        doc = ""
-        for block in text.split("\n\n"):
-            if doc and len(doc) + len(block) + 2 > max_chars:
-                yield {"text": doc}
-                doc = ""
-            doc = f"{doc}\n\n{block}" if doc else block
-        if doc.strip():
-            yield {"text": doc}
-
-
-# ---------------------------------------------------------------------------------------
-# Loading a corpus: the embedded one, local files, or a Hub dataset
-
-
-def file_builder(path: Path) -> str | None:
-    """The `datasets` builder that reads a file, judged by its name, or None. Case does not
-    matter, and a compression suffix may follow: `part-0.jsonl.gz` is JSON Lines."""
-    suffixes = [s.lower() for s in path.suffixes[-2:]]
-    if suffixes and suffixes[-1] in COMPRESSIONS:
-        suffixes.pop()
-    return FILE_BUILDERS.get(suffixes[-1]) if suffixes else None
-
-
-def _local_files(path: Path) -> list[Path]:
-    """The data files of --dataset: the file itself, or every file a folder holds at any depth,
-    symlinked folders followed. Whatever is skipped is named in one warning."""
-    if path.is_file():
-        if file_builder(path) is None:
-            raise UsageError(f"unsupported dataset file {path}: expected {KNOWN_FILES}")
-        files = [path]
-    else:
-        files, skipped = _walk(path)
-        if skipped:
-            shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
-            warn(f"--dataset {path}: skipping {len(skipped)} {'entry' if len(skipped) == 1 else 'entries'}: {shown} "
-                 f"(data files end in {KNOWN_FILES})")
-        if not files:
-            raise UsageError(f"folder {path} holds no {KNOWN_FILES} files")
-    for f in files:
-        if not os.access(f, os.R_OK):
-            raise UsageError(f"cannot read dataset file {f}")
-        if f.name.lower().endswith(".zst") and importlib.util.find_spec("zstandard") is None:
-            raise UsageError(f"reading {f} needs the zstandard package: pip install zstandard")
-    return files
-
-
-def _walk(root: Path) -> tuple[list[Path], list[str]]:
-    """Data files under root, sorted (the same order on every rank), each real file once;
-    and what was left out, with the reason for the less obvious cases."""
-    files, skipped, seen_dirs, seen_files = [], [], set(), {}
-    for folder, subfolders, names in os.walk(root, followlinks=True):
-        real = os.path.realpath(folder)
-        if real in seen_dirs:  # a symlink loop, or a second link to a folder already read
-            skipped.append(f"{os.path.relpath(folder, root)}/ (already read as {os.path.relpath(real, root)})")
-            subfolders[:] = []
-            continue
-        seen_dirs.add(real)
-        hidden = sorted(d for d in subfolders if d.startswith("."))
-        skipped += [f"{os.path.relpath(os.path.join(folder, d), root)}/ (hidden)" for d in hidden]
-        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
-        for name in sorted(names):
-            f = Path(folder, name)
-            rel = str(f.relative_to(root))
-            if file_builder(f) is None or not f.is_file():
-                skipped.append(rel)
-            elif (real_file := os.path.realpath(f)) in seen_files:
-                skipped.append(f"{rel} (same file as {seen_files[real_file]})")
-            else:
-                seen_files[real_file] = rel
-                files.append(f)
-    return sorted(files), skipped
-
-
-def looks_local(dataset: str) -> bool:
-    """A path, as opposed to a Hub id such as `HuggingFaceFW/fineweb`."""
-    return (os.path.exists(dataset) or dataset.startswith((".", "/", "~"))
-            or file_builder(Path(dataset)) is not None)
-
-
-def check_dataset_flags(dataset: str, dataset_config: str | None, split: str | None):
-    """Cheap checks that need no loading, so every rank can run them before any download."""
-    if dataset == EMBEDDED_CORPUS or looks_local(dataset):
-        if not (dataset == EMBEDDED_CORPUS or os.path.exists(os.path.expanduser(dataset))):
-            raise UsageError(f"dataset file or folder not found: {dataset}")
-        if dataset_config is not None or split is not None:
-            raise UsageError("--dataset-config and --split apply to Hub datasets only, "
-                            f"not to {dataset!r}")
-
-
-def load_corpus(dataset: str, dataset_config: str | None = None, split: str | None = None,
-                text_column: str = "text") -> datasets.Dataset:
-    """Load documents as a `datasets.Dataset` with one column, "text", empty ones dropped."""
-    check_dataset_flags(dataset, dataset_config, split)
-    if dataset == EMBEDDED_CORPUS:
-        ds = datasets.Dataset.from_generator(stdlib_documents, gen_kwargs={"files": stdlib_files()})
-        ds = _text_column(ds, text_column, dataset)
-    elif looks_local(dataset):
-        # an empty file has no documents (and makes some `datasets` builders fail)
-        files = [f for f in _local_files(Path(dataset).expanduser()) if f.stat().st_size > 0]
-        if not files:
-            raise UsageError(f"dataset {dataset} has no non-empty documents")
-        parts = []
-        for builder in sorted({file_builder(f) for f in files}):
-            data_files = [str(f) for f in files if file_builder(f) == builder]
-            try:
-                with _reported_by_us():
-                    part = datasets.load_dataset(builder, data_files=data_files, split="train",
-                                                 **BUILDER_OPTIONS.get(builder, {}))
-            except Exception as e:  # datasets raises many types for unreadable files
-                raise UsageError(f"cannot read {dataset}: {first_line(e)}") from None
-            parts.append(_text_column(part, text_column, dataset))
-        if len({part.features["text"].dtype for part in parts}) > 1:  # .csv reads large_string, .txt string
-            parts = [part.cast_column("text", datasets.Value("large_string")) for part in parts]
-        ds = datasets.concatenate_datasets(parts)
-    else:
-        try:
-            with _reported_by_us():
-                ds = datasets.load_dataset(dataset, dataset_config, split=split or "train")
-        except Exception as e:  # offline, unknown id, bad config or split
-            raise UsageError(f"cannot load Hub dataset {dataset!r}: {first_line(e)}") from None
-        ds = _text_column(ds, text_column, dataset)
-    ds = ds.filter(lambda batch: [bool(t and t.strip()) for t in batch["text"]], batched=True)
-    if len(ds) == 0:
-        raise UsageError(f"dataset {dataset} has no non-empty documents")
-    return ds
-
-
-def _text_column(ds: datasets.Dataset, column: str, name: str) -> datasets.Dataset:
-    if column not in ds.column_names:
-        raise UsageError(f"dataset {name} has no column {column!r} (columns: {', '.join(ds.column_names)})")
-    feature = ds.features[column]
-    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
-        kind = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__.lower()
-        raise UsageError(f"column {column!r} of dataset {name} holds {kind}, not text")
-    ds = ds.select_columns([column])
-    return ds.rename_column(column, "text") if column != "text" else ds
-
-
-@contextlib.contextmanager
-def _reported_by_us():
-    """`datasets` logs some errors (with tracebacks) before raising them. We report each as
-    one line ourselves, so its error log is silenced while it loads."""
-    level = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        datasets.logging.set_verbosity(level)
-
-
-def fingerprint(ds: datasets.Dataset) -> dict:
-    """What a resumed run must find again: how many documents, and a hash of their text in
-    order. The content, not the path: the same file under another name is the same data,
-    while one appended or reordered line is not (it would redraw the held-out split). One
-    pass over the text, about 3 seconds per GB."""
-    digest = hashlib.blake2b(digest_size=16)
-    for batch in ds.iter(batch_size=10_000):
-        for text in batch["text"]:
-            raw = text.encode("utf-8", "surrogatepass")
-            digest.update(len(raw).to_bytes(8, "little") + raw)  # the length keeps "ab","c" apart from "a","bc"
-    return {"documents": len(ds), "blake2b": digest.hexdigest()}
-
-
-def split_train_val(ds: datasets.Dataset, val_docs: int, seed: int):
-    """Hold out val_docs documents, chosen by a seeded shuffle (deterministic on every rank)."""
-    if not 0 < val_docs < len(ds):
-        raise UsageError(f"cannot hold out {val_docs} validation documents from a dataset of {len(ds)}")
-    parts = ds.train_test_split(test_size=val_docs, seed=seed)
-    return parts["train"], parts["test"]
-
-
-def default_val_docs(n_docs: int) -> int:
-    """1% of the documents, at least 1 and at most 1000."""
-    return max(1, min(1000, n_docs // 100))
 
 
 # ---------------------------------------------------------------------------------------
@@ -404,11 +196,6 @@ def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int) -> dat
         return texts.map(_encode, batched=True, remove_columns=["text"], num_proc=num_proc if num_proc > 1 else None,
                          fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "exact_cuts": exact_cuts},
                          features=datasets.Features({"input_ids": datasets.Sequence(ids)}), desc="tokenizing")
-
-
-def text_bytes(texts: datasets.Dataset) -> int:
-    """The UTF-8 bytes of every document's text, from the Arrow column (no Python strings)."""
-    return pyarrow.compute.sum(pyarrow.compute.binary_length(texts.with_format("arrow")[:]["text"])).as_py() or 0
 
 
 def _longest(texts: datasets.Dataset) -> int:

@@ -20,6 +20,7 @@ import torch
 from tokenizers import Tokenizer
 
 import checkpointing
+import corpus
 import data
 from checkpointing import CONFIG, METRICS, MODEL, TOKENIZER, atomic_save
 # the flags live in config.py; the scripts (and the tools) reach them through this module
@@ -50,12 +51,12 @@ def prepare_data(cfg: TrainConfig, turns=OneProcess(), sharded: bool = False, mo
     vocabulary size, as soon as it is known."""
     resuming = turns.everywhere(lambda: checkpointing.resuming(cfg.out_dir, cfg.resume))  # refuses to overwrite a run
     ckpt = turns.everywhere(lambda: load_run(cfg.out_dir, sharded)) if resuming else None
-    train_text, val_text, corpus = load_text(cfg, ckpt, turns)
+    train_text, val_text, fingerprint = load_text(cfg, ckpt, turns)
     # one tokenizer for the whole job: rank 0 trains (or loads) it and sends it to all
     tokenizer = Tokenizer.from_str(turns.from_rank0(lambda: get_tokenizer(cfg, train_text, resuming).to_str()))
     if model_fits:  # a model too big for the device is refused before tokenizing, and before anything is written
         turns.everywhere(lambda: model_fits(tokenizer.get_vocab_size()))
-    train_ds, val_ds = turns.local_rank0_first(lambda: make_datasets(cfg, tokenizer, train_text, val_text, corpus))
+    train_ds, val_ds = turns.local_rank0_first(lambda: make_datasets(cfg, tokenizer, train_text, val_text, fingerprint))
     turns.everywhere(lambda: claim_out_dir(cfg, ckpt))  # only now: a refused run creates nothing
     return ckpt, tokenizer, train_ds, val_ds
 
@@ -78,23 +79,23 @@ def load_text(cfg: TrainConfig, ckpt: dict | None = None, turns=OneProcess()):
     node's local rank 0 loads it first (the others then read `datasets`' cache); rank 0 alone
     hashes it (about 3 s a GB) and sends the fingerprint to all. A resumed run must read
     exactly the documents its checkpoint was trained on."""
-    corpus = turns.local_rank0_first(
-        lambda: data.load_corpus(cfg.dataset, cfg.dataset_config, cfg.split, cfg.text_column))
-    fingerprint = turns.from_rank0(lambda: data.fingerprint(corpus))
-    return (*turns.everywhere(lambda: split_corpus(cfg, ckpt, corpus, fingerprint)), fingerprint)
+    documents = turns.local_rank0_first(
+        lambda: corpus.load_corpus(cfg.dataset, cfg.dataset_config, cfg.split, cfg.text_column))
+    fingerprint = turns.from_rank0(lambda: corpus.fingerprint(documents))
+    return (*turns.everywhere(lambda: split_corpus(cfg, ckpt, documents, fingerprint)), fingerprint)
 
 
-def split_corpus(cfg: TrainConfig, ckpt: dict | None, corpus, fingerprint: dict):
+def split_corpus(cfg: TrainConfig, ckpt: dict | None, documents, fingerprint: dict):
     """Training and held-out documents, after checking that a resumed run reads its own."""
     if ckpt is not None:
         check_same_corpus(ckpt, fingerprint, cfg.dataset)
     # --val-docs as the number it stands for (its default depends on the corpus), in this run's
     # config and in the checkpoint's (None in one saved by a run that used the default), so that
     # a resume compares the documents held out, not how they were asked for
-    cfg.val_docs = cfg.val_docs or data.default_val_docs(len(corpus))
+    cfg.val_docs = cfg.val_docs or corpus.default_val_docs(len(documents))
     if ckpt is not None:  # the same corpus (checked above): the same default
-        ckpt["train_config"]["val_docs"] = ckpt["train_config"].get("val_docs") or data.default_val_docs(len(corpus))
-    return data.split_train_val(corpus, cfg.val_docs, cfg.seed)
+        ckpt["train_config"]["val_docs"] = ckpt["train_config"].get("val_docs") or corpus.default_val_docs(len(documents))
+    return corpus.split_train_val(documents, cfg.val_docs, cfg.seed)
 
 
 def check_same_corpus(ckpt: dict, fingerprint: dict, dataset: str):
@@ -121,12 +122,12 @@ def get_tokenizer(cfg: TrainConfig, train_text, resuming: bool) -> Tokenizer:
     return data.train_tokenizer(train_text, cfg.vocab_size)
 
 
-def make_datasets(cfg: TrainConfig, tokenizer: Tokenizer, train_text, val_text, corpus: dict | None = None):
+def make_datasets(cfg: TrainConfig, tokenizer: Tokenizer, train_text, val_text, fingerprint: dict | None = None):
     pad_id = tokenizer.token_to_id(data.PAD)
     train = data.PaddedSequenceDataset(data.tokenize(train_text, tokenizer, cfg.seq_len), cfg.seq_len, pad_id,
-                                       corpus, documents=len(train_text))
+                                       fingerprint, documents=len(train_text))
     val = data.PaddedSequenceDataset(data.tokenize(val_text, tokenizer, cfg.seq_len), cfg.seq_len, pad_id,
-                                     documents=len(val_text), text_bytes=data.text_bytes(val_text))
+                                     documents=len(val_text), text_bytes=corpus.text_bytes(val_text))
     if len(train) < cfg.batch_size:  # not one step's worth
         raise UsageError(f"dataset has {len(train)} training windows of --seq-len {cfg.seq_len} (from "
                          f"{len(train_text)} documents), fewer than one --batch-size of {cfg.batch_size}")
@@ -497,7 +498,7 @@ def summary(cfg: TrainConfig, step: int, total_steps: int, first_step: int, trai
               + (f" | val loss {val_loss:.4f}" if val_loss is not None else "")]
     if step < total_steps:
         return "\n".join(report + [f"checkpoint saved in {checkpoint}; continue with --resume"])
-    prompt = "def " if cfg.dataset == data.EMBEDDED_CORPUS else "The "  # the demo corpus is Python code
+    prompt = "def " if cfg.dataset == corpus.EMBEDDED_CORPUS else "The "  # the demo corpus is Python code
     q = shlex.quote  # commands that paste into a shell whatever the folder's name
     return "\n".join(report + [
         f"weights in {out / MODEL}, with {TOKENIZER}, {CONFIG} and {METRICS} beside them",

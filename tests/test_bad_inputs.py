@@ -373,9 +373,10 @@ def test_a_run_that_saved_into_the_folder_while_this_one_prepared_its_data_stops
 
 
 def test_resuming_with_another_tokenizer_is_refused(runs, tmp_path, capsys):
+    import corpus
     import data
     out = runs.copy(runs("dp", "train_dp.py"), tmp_path / "run")
-    other = data.train_tokenizer(data.load_corpus(str(runs.corpus)), vocab_size=280)
+    other = data.train_tokenizer(corpus.load_corpus(str(runs.corpus)), vocab_size=280)
     other.save(str(tmp_path / "other.json"))
     refused_in_process("train_dp.py", ["--dataset", str(runs.corpus), *FAST_WITH_TOKENIZER, "--resume",
                                        "--tokenizer", str(tmp_path / "other.json")], out,

@@ -7,8 +7,9 @@ import re
 import pytest
 import torch
 
-import data
 import checkpointing
+import corpus
+import data
 import training
 from conftest import (FAST, FAST_WITH_TOKENIZER, FLOOR_MULTIPLE, assert_same_model, assert_same_weights, ddp_two_ranks,
                       load_weights, max_weight_diff, metrics, run_in_process, run_script, spied, stopped_at_step_4,
@@ -306,16 +307,16 @@ def test_bits_per_byte_is_the_held_out_loss_over_the_bytes_of_the_held_out_text(
     assert logged[-1]["val_bpb"] == pytest.approx(nats / math.log(2) / text_bytes, rel=1e-5)
 
 
-def test_rank_0_alone_hashes_the_corpus_and_every_rank_gets_its_fingerprint(corpus, monkeypatch):
+def test_rank_0_alone_hashes_the_corpus_and_every_rank_gets_its_fingerprint(runs, monkeypatch):
     """Hashing the corpus takes about 3 s a GB: once per job, on rank 0, not once per rank.
     Here as rank 1 sees it: the fingerprint comes from rank 0 (InTurns.from_rank0)."""
-    cfg = training.parse_args(["--dataset", str(corpus), *FAST])
-    from_rank0 = data.fingerprint(data.load_corpus(str(corpus)))
+    cfg = training.parse_args(["--dataset", str(runs.corpus), *FAST])
+    from_rank0 = corpus.fingerprint(corpus.load_corpus(str(runs.corpus)))
 
     class Rank1(training.OneProcess):
         def from_rank0(self, fn):
             return from_rank0
 
-    monkeypatch.setattr(data, "fingerprint", lambda corpus: pytest.fail("a rank other than 0 hashed the corpus"))
+    monkeypatch.setattr(corpus, "fingerprint", lambda documents: pytest.fail("a rank other than 0 hashed the corpus"))
     train_text, val_text, fingerprint = training.load_text(cfg, None, Rank1())
     assert fingerprint == from_rank0 and len(train_text) + len(val_text) == from_rank0["documents"]
