@@ -52,7 +52,8 @@ class TrainConfig:
     compile: bool = flag(False, "torch.compile the model (the inner module, before DDP wraps it)")
     activation_checkpointing: bool = flag(False, "keep only each decoder layer's input for backward and recompute "
                                           "the rest there: less memory, one more forward of the layers")
-    seq_len: int | None = flag(None, "tokens per sequence", minimum=1, same_on_resume=True, type=int)
+    seq_len: int | None = flag(None, "tokens per sequence (longer documents are cut into several)", minimum=1,
+                               same_on_resume=True, type=int)
     batch_size: int | None = flag(None, "GLOBAL sequences per optimizer step (all ranks, all micro-batches)",
                                   minimum=1, same_on_resume=True, type=int)
     grad_accum: int = flag(1, "micro-batches per optimizer step", minimum=1)

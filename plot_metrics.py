@@ -1,4 +1,5 @@
-"""Plot training and validation loss, and tokens/s, against step for one or more runs.
+"""Plot training and validation loss, and real (non-pad) tokens/s, against step for one or
+more runs.
 
     python plot_metrics.py out                          # writes metrics.png
     python plot_metrics.py run-a run-b -o compare.png   # runs overlaid, one colour each
@@ -26,7 +27,7 @@ def read_metrics(out_dir: str) -> list[dict]:
         rows = training.read_metrics(path)
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e}") from None
-    if not rows:
+    if not any("loss" in row or "val_loss" in row for row in rows):  # the first row holds the run's facts
         raise UsageError(f"{path} holds no logged step yet")
     return rows
 
@@ -67,10 +68,10 @@ def plot(runs: dict[str, list[dict]], output: str, plt):
         ax_loss.plot(*series(rows, "loss"), color=color, label=f"{name} train")
         ax_loss.plot(*series(rows, "val_loss"), color=color, linestyle="--", marker="o", markersize=3,
                      label=f"{name} val")
-        ax_speed.plot(*series(rows, "tokens_per_s"), color=color, label=name)
+        ax_speed.plot(*series(rows, "tokens_per_s_nonpad"), color=color, label=name)  # the tokens trained on
     ax_loss.set_ylabel("loss (cross-entropy, nats)")
     ax_loss.legend()
-    ax_speed.set_ylabel("tokens/s")
+    ax_speed.set_ylabel("tokens/s (padding not counted)")
     ax_speed.set_xlabel("optimizer step")
     for ax in (ax_loss, ax_speed):
         ax.grid(alpha=0.3)

@@ -271,7 +271,16 @@ def test_plot_draws_every_logged_point(trained):
     rows = plot_metrics.read_metrics(trained)
     assert plot_metrics.series(rows, "loss")[0] == [2, 4, 6, 8]  # --log-every 2
     assert plot_metrics.series(rows, "val_loss")[0] == [4, 8]  # --eval-every 4
-    assert len(plot_metrics.series(rows, "tokens_per_s")[1]) == 4
+    assert len(plot_metrics.series(rows, "tokens_per_s_nonpad")[1]) == 4
+
+
+def test_a_run_that_has_logged_only_its_facts_has_nothing_to_plot_yet(trained, tmp_path):
+    """A new run's first row of metrics.jsonl says what an epoch trains on; it is no step."""
+    facts = (trained / "metrics.jsonl").read_text().splitlines()[0]
+    assert json.loads(facts)["step"] == 0 and "loss" not in facts
+    (tmp_path / "metrics.jsonl").write_text(facts + "\n")
+    with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'metrics.jsonl'} holds no logged step yet")):
+        plot_metrics.main([str(tmp_path), "-o", str(tmp_path / "p.png")])
 
 
 def test_plot_names_the_file_it_writes_and_refuses_what_it_cannot(trained, tmp_path, capsys):
