@@ -186,6 +186,7 @@ def main():
     import datasets
     import pyarrow.parquet as pq
     import data
+    import launcher
     import training
     datasets.logging.set_verbosity_error()
 
@@ -196,7 +197,7 @@ def main():
         generate(path, args.mb)
     texts = [t for t in pq.read_table(path, columns=["text"]).column("text").to_pylist() if t and t.strip()]
     megabytes = sum(len(t.encode()) for t in texts) / 1e6
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = launcher.usable_cores()
     print(f"{path.name}: {len(texts):,} documents, {megabytes:.0f} MB of text | {cores} cores | "
           f"--seq-len {args.seq_len} | BPE of {args.vocab_size:,} tokens", flush=True)
 

@@ -131,9 +131,12 @@ def load_latest_checkpoint(out_dir) -> dict:
 def load_pt(path, what: str):
     """Read any .pt file of a run. weights_only: tensors and plain containers only, so a
     crafted file cannot run code; map_location: every rank loads onto the CPU instead of
-    all onto GPU 0. A file that cannot be read is one UsageError line."""
+    all onto GPU 0; mmap: the tensors stay in the file (the page cache, shared by every rank
+    of a node) until they are copied where they belong, instead of a private copy of the
+    weights and optimizer state in each rank's memory. A file that cannot be read is one
+    UsageError line."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
         raise UsageError(f"cannot load {what} {path}: {first_line(e)}") from None
 
@@ -172,8 +175,15 @@ def run_state(model, scheduler, cfg, step, train_ds) -> dict:
 
 def restore(ckpt: dict, model, optimizer, scheduler) -> int:
     """Load a checkpoint into freshly built objects (on every rank); return its step."""
-    model.load_state_dict(ckpt["model"])
+    model.load_state_dict(ckpt["model"])  # copies into the parameters
     optimizer.load_state_dict(ckpt["optimizer"])
+    # On the CPU the optimizer keeps the loaded tensors themselves, which live in the
+    # checkpoint's memory-mapped file (load_pt): copies of its own let the file go, so that
+    # its disk space is freed once a newer checkpoint replaces it.
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                state[key] = value.clone()
     return restore_run_state(ckpt, scheduler)
 
 

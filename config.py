@@ -47,6 +47,9 @@ class TrainConfig:
                                   same_on_resume=True, type=int)  # every byte, plus the special tokens
     # model and batch
     model: str = flag("tiny", "model preset", same_on_resume=True, choices=sorted(PRESETS))
+    device: str | None = flag(None, "where to train (default: cuda where torch sees a GPU, else cpu; a machine whose "
+                              "NVIDIA GPUs torch cannot see is an error, not a silent run on the CPU)", type=str,
+                              choices=["cuda", "cpu"])
     dtype: str = flag("auto", "compute dtype; weights and optimizer state stay fp32. auto: bf16 on GPUs with "
                       "native bf16 and on CPUs with AMX, else fp32", choices=["auto", "fp32", "bf16"])
     compile: bool = flag(False, "torch.compile the model (the inner module, before DDP wraps it)")

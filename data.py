@@ -22,7 +22,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from errors import UsageError, first_line
-from launcher import warn
+from launcher import usable_cores, warn
 from model import IGNORE_INDEX
 
 PAD, BOT, EOT = "[PAD]", "[BOT]", "[EOT]"
@@ -189,7 +189,7 @@ def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int) -> dat
         warn(f"documents longer than {2 * PIECE_CHARS:,} characters are encoded in pieces cut before "
              "whitespace, and this tokenizer (not a byte-level BPE) may encode a few characters at each cut "
              "differently from the whole text")
-    num_proc = min(len(os.sched_getaffinity(0)), len(texts) // 5000) if hasattr(os, "sched_getaffinity") else 1
+    num_proc = min(usable_cores(), len(texts) // 5000)
     # token ids in the narrowest type that holds them: 2 bytes each below 65,536 (8 as Python ints)
     ids = datasets.Value("uint16" if tokenizer.get_vocab_size() <= 2**16 else "uint32")
     with _tokenizer_threads(1 if num_proc > 1 else None):

@@ -64,13 +64,14 @@ def parse_args(argv=None):
     parser = training.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", help="output folder of a training run")
     parser.add_argument("--prompt", default="", help="text to continue (default: none, sample from scratch)")
-    parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most")
+    parser.add_argument("--max-new-tokens", type=int, help="tokens to generate at most (default: 200, or fewer "
+                        "to stay within the sequence length the model was trained at)")
     parser.add_argument("--temperature", type=float, default=0.8,
                         help="sampling temperature; 0 means greedy (always the likeliest token)")
     parser.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens only")
     parser.add_argument("--seed", type=int, default=1337, help="seed of the sampling (same seed, same text)")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise UsageError(f"--temperature must be a non-negative number, got {args.temperature}")
@@ -93,13 +94,18 @@ def main(argv=None):
     # the prompt is text: a literal "[EOT]" in it is encoded as text, as in training (data.text_only)
     text_ids = text_only(tokenizer).encode(args.prompt, add_special_tokens=False).ids
     prompt_ids = [tokenizer.token_to_id(BOT)] + text_ids
-    room = model.config.max_position_embeddings
-    if len(prompt_ids) + args.max_new_tokens > room:
-        raise UsageError(f"the prompt ({len(prompt_ids)} tokens) plus --max-new-tokens {args.max_new_tokens} "
+    room = model.config.max_position_embeddings  # RoPE's table
+    trained = model.config.trained_seq_len or room  # the run's --seq-len
+    max_new_tokens = args.max_new_tokens or max(1, min(200, trained - len(prompt_ids)))  # within what it saw
+    if len(prompt_ids) + max_new_tokens > room:
+        raise UsageError(f"the prompt ({len(prompt_ids)} tokens) plus --max-new-tokens {max_new_tokens} "
                          f"exceed the model's {room} positions")
+    if len(prompt_ids) + max_new_tokens > trained:  # RoPE reaches there; the model has never been
+        launcher.warn(f"the model was trained on sequences of {trained} tokens: the prompt ({len(prompt_ids)} "
+                      f"tokens) plus {max_new_tokens} new ones go past what it has seen")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     generator = torch.Generator(device).manual_seed(args.seed)
-    new = generate(model.to(device), prompt_ids, args.max_new_tokens, args.temperature, args.top_k,
+    new = generate(model.to(device), prompt_ids, max_new_tokens, args.temperature, args.top_k,
                    generator, stop_id=tokenizer.token_to_id(EOT))
     # decode prompt and continuation together: a character may span the boundary
     print(tokenizer.decode(prompt_ids + new, skip_special_tokens=True))

@@ -19,6 +19,12 @@ from tqdm import tqdm
 from errors import RankError, UsageError, first_line
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity, what Slurm or taskset gave it (not
+    the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def is_rank0() -> bool:
     """Rank 0 of a job, or a plain `python` run: the process that speaks. Only processes that
     really belong to a job keep quiet: members of a process group, and torchrun's workers

@@ -29,12 +29,19 @@ class LlamaConfig:
     num_key_value_heads: int = 3
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # The sequence length it was trained at (the run's --seq-len): positions past it were never
+    # seen, though RoPE reaches to max_position_embeddings. Not architecture; None: unknown.
+    trained_seq_len: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "max_position_embeddings", "hidden_size", "intermediate_size",
                      "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.trained_seq_len is not None and not (isinstance(self.trained_seq_len, int)
+                                                     and 1 <= self.trained_seq_len <= self.max_position_embeddings):
+            raise ValueError(f"trained_seq_len must be a positive integer up to max_position_embeddings, "
+                             f"got {self.trained_seq_len!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must be divisible by num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:

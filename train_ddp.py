@@ -37,7 +37,7 @@ def main():
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     is_main = rank == 0  # the one process that prints, logs and writes files
-    if torch.cuda.is_available():
+    if training.use_cuda(cfg):  # torch.cuda.is_available(), and a GPU torch cannot see is an error
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # before init, else every rank opens a context on GPU 0
     else:

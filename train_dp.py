@@ -30,8 +30,9 @@ def main():
     cfg = training.parse_args(description=__doc__)
     rank, world_size = 0, 1  # one process, however many GPUs it drives
     is_main = True  # the one process that prints, logs and writes files
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if cfg.compile and torch.cuda.device_count() > 1:
+    device = torch.device("cuda" if training.use_cuda(cfg) else "cpu")  # a GPU torch cannot see is an error
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if cfg.compile and gpus > 1:
         raise UsageError("--compile does not work under nn.DataParallel: use train_ddp.py")
     micro_batch = training.micro_batch_size(cfg, world_size)  # per process and micro-step
     dtype = training.compute_dtype(cfg.dtype, device)  # matmuls in dtype; weights and loss stay fp32
@@ -52,7 +53,7 @@ def main():
     if is_main:
         checkpointing.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
     # DataParallel: one process drives every visible GPU
-    model = nn.DataParallel(raw_model) if torch.cuda.device_count() > 1 else raw_model
+    model = nn.DataParallel(raw_model) if gpus > 1 else raw_model
 
     # The same sampler as DDP with a world of one: the order of global batches depends only
     # on the seed and the epoch, so this script and train_ddp.py train on the same batches.

@@ -7,8 +7,10 @@ the parts that differ.
 import contextlib
 import dataclasses
 import datetime
+import glob
 import json
 import math
+import os
 import re
 import shlex
 import signal
@@ -26,7 +28,7 @@ from checkpointing import CONFIG, METRICS, MODEL, TOKENIZER, atomic_save
 # the flags live in config.py; the scripts (and the tools) reach them through this module
 from config import TRAINING_PRESETS, ArgumentParser, TrainConfig, micro_batch_size, parse_args  # noqa: F401
 from errors import UsageError, first_line
-from launcher import is_rank0, restart_count, warn
+from launcher import is_rank0, restart_count, usable_cores, warn
 from model import PRESETS, LlamaConfig, LlamaForPretraining
 
 
@@ -164,7 +166,7 @@ def _padding(ds: data.PaddedSequenceDataset):
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, dtype: torch.dtype) -> LlamaForPretraining:
-    model_config = LlamaConfig(vocab_size=vocab_size, **PRESETS[cfg.model])
+    model_config = LlamaConfig(vocab_size=vocab_size, trained_seq_len=cfg.seq_len, **PRESETS[cfg.model])
     torch.manual_seed(cfg.seed)  # the same initial weights in every process and script
     model = LlamaForPretraining(model_config)
     model.compute_dtype = dtype  # matmuls in dtype (autocast inside forward); weights stay fp32
@@ -173,11 +175,44 @@ def build_model(cfg: TrainConfig, vocab_size: int, dtype: torch.dtype) -> LlamaF
     return model
 
 
+def nvidia_gpus() -> list[str]:
+    """The NVIDIA GPUs this machine has, whether or not torch can use them: the device files
+    the driver makes, one per GPU (/dev/nvidia0, /dev/nvidia1, ...)."""
+    return sorted(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def use_cuda(cfg: TrainConfig) -> bool:
+    """Whether to train on CUDA: where torch sees a GPU, unless --device cpu. Where torch sees
+    none on a machine that has NVIDIA GPUs (a CPU build of torch, or a CUDA build newer than
+    the driver), a job meant for 8 GPUs would otherwise train on the CPU without a word."""
+    if cfg.device == "cpu":
+        return False
+    if torch.cuda.is_available():
+        return True
+    gpus = nvidia_gpus()
+    if gpus or cfg.device == "cuda":
+        built = (f"a CUDA {torch.version.cuda} build, which this driver may be too old for" if torch.version.cuda
+                 else "a CPU-only build")
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hidden = f"; CUDA_VISIBLE_DEVICES={hidden!r} hides GPUs" if hidden is not None else ""
+        has = f"this machine has NVIDIA GPUs ({', '.join(gpus[:2])}{', ...' if len(gpus) > 2 else ''})" if gpus \
+            else "--device cuda"
+        raise UsageError(f"{has} but torch {torch.__version__} sees none: it is {built}{hidden}. Install the "
+                         "torch build for your driver (https://pytorch.org/get-started/locally/), or pass "
+                         "--device cpu to train on the CPU")
+    return False
+
+
 def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
     """The dtype matmuls run in. bf16 pays where the hardware has bf16 matrix units: GPUs
     from Ampere on (compute capability 8.0), and CPUs with AMX (Xeon Sapphire Rapids and
     later, where a bf16 matmul runs several times faster than fp32). Elsewhere auto keeps
     fp32. Older GPUs (V100, T4) only emulate bf16, slowly: there --dtype bf16 is refused."""
+    if device.type == "cuda":
+        # fp32 matmuls (all of --dtype fp32's, and the few a bf16 step keeps in fp32) on TF32
+        # tensor cores: inputs rounded to 10 mantissa bits, products summed in fp32, several
+        # times faster than full fp32. Weights and optimizer state stay fp32 all the same.
+        torch.set_float32_matmul_precision("high")
     if choice == "fp32":
         return torch.float32
     if device.type == "cuda":
@@ -229,7 +264,8 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
 def resume(ckpt: dict | None, cfg: TrainConfig, model, optimizer, scheduler, steps_per_epoch: int) -> int:
     """Load a checkpoint into freshly built objects (on every rank) and return its step; 0
     for a new run. A resumed run must be the same run: same model, data, global batch and
-    schedule (the flags marked same_on_resume)."""
+    schedule (the flags marked same_on_resume). Once restored, ckpt is emptied, so that no
+    rank keeps a second copy of the weights and optimizer state for the whole run."""
     if ckpt is None:
         return 0
     ours = dataclasses.asdict(model.config)
@@ -258,6 +294,7 @@ def resume(ckpt: dict | None, cfg: TrainConfig, model, optimizer, scheduler, ste
                          "away to resume from the one before it")
     if is_rank0():
         print(f"resumed from {ckpt['path']} at step {step} (restart {restart_count()})")
+    ckpt.clear()  # all of it is in the model, optimizer and scheduler now: let the loaded file go
     return step
 
 
@@ -386,9 +423,8 @@ def describe(model: LlamaForPretraining, train_ds, steps_per_epoch: int, total_s
     return (f"{model.num_parameters() / 1e6:.1f}M parameters | {facts['documents']:,} documents: all their "
             f"{facts['tokens_per_epoch']:,} tokens an epoch, in {facts['windows']:,} windows of {cfg.seq_len} "
             f"({facts['padding']:.1%} padding) | {steps_per_epoch} steps per epoch | {total_steps} steps | "
-            f"{micro_batch} sequences x "
-            f"{cfg.grad_accum} micro-steps per step{ranks} | device {device}{backend} "
-            f"| {dtype}{' | compiled' if cfg.compile else ''}"
+            f"{micro_batch} sequences x {cfg.grad_accum} micro-steps per step{ranks} | device {device}{backend} "
+            f"| {usable_cores()} usable CPU cores | {dtype}{' | compiled' if cfg.compile else ''}"
             f"{' | activation checkpointing' if cfg.activation_checkpointing else ''}")
 
 

@@ -445,6 +445,9 @@ def test_two_nodes_train_the_same_model_as_one_node_and_only_rank_0_writes(runs,
 @pytest.mark.parametrize("script_env, script_name", [({}, "train_ddp.py"),
                                                      ({"SCRIPT": "train_fsdp.py"}, "train_fsdp.py")])
 def test_the_slurm_script_builds_the_torchrun_command_from_slurm_variables(tmp_path, script_env, script_name):
+    """Stand-ins for srun and scontrol record what they are given. Since Slurm 22.05, srun no
+    longer inherits --cpus-per-task from sbatch: the script passes it, or every launcher and
+    its workers would share one core."""
     script = REPO / "slurm" / "train.sbatch"
     subprocess.run(["bash", "-n", str(script)], check=True)  # it parses
     stubs = tmp_path / "bin"
@@ -454,11 +457,12 @@ def test_the_slurm_script_builds_the_torchrun_command_from_slurm_variables(tmp_p
     for stub in stubs.iterdir():
         stub.chmod(0o755)
     env = {"PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2",
-           "SLURM_JOB_ID": "4242", "SLURM_GPUS_ON_NODE": "8", **script_env}
+           "SLURM_JOB_ID": "4242", "SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_PER_TASK": "32", **script_env}
     proc = subprocess.run(["bash", str(script), "--model", "article", "--out-dir", "/shared/run"],
                           env=env, capture_output=True, text=True, check=True)
     assert proc.stdout.splitlines() == [
-        "signals=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "torchrun", "--nnodes=2", "--nproc_per_node=8",
+        "signals=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--cpus-per-task=32", "torchrun", "--nnodes=2",
+        "--nproc_per_node=8",
         "--max-restarts=3", "--rdzv-id=4242", "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:29500",
         script_name, "--model", "article", "--out-dir", "/shared/run"]
     directives = [line for line in script.read_text().splitlines() if line.startswith("#SBATCH")]

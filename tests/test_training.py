@@ -321,3 +321,17 @@ def test_rank_0_alone_hashes_the_corpus_and_every_rank_gets_its_fingerprint(runs
     monkeypatch.setattr(corpus, "fingerprint", lambda documents: pytest.fail("a rank other than 0 hashed the corpus"))
     train_text, val_text, fingerprint = training.load_text(cfg, None, Rank1())
     assert fingerprint == from_rank0 and len(train_text) + len(val_text) == from_rank0["documents"]
+
+
+def test_fp32_matmuls_on_cuda_use_tf32_and_on_a_cpu_stay_full_fp32():
+    """--dtype fp32 means fp32 weights and optimizer state; on CUDA its matmuls run on TF32
+    tensor cores (several times faster). No GPU is touched to decide it."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert training.compute_dtype("fp32", torch.device("cpu")) == torch.float32
+        assert torch.get_float32_matmul_precision() == "highest"
+        assert training.compute_dtype("fp32", torch.device("cuda", 0)) == torch.float32
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -16,7 +16,7 @@ import export_hf
 import generate
 import plot_metrics
 import training
-from conftest import script_in_process
+from conftest import FAST, run_in_process, script_in_process
 from data import BOT, EOT, PAD, text_only
 from errors import UsageError
 from model import LlamaConfig, LlamaForPretraining
@@ -98,6 +98,26 @@ def test_generate_script_prints_the_greedy_continuation_and_repeats_a_seeded_sam
     sampled = capsys.readouterr().out
     generate.main([*args, "--seed", "5"])
     assert capsys.readouterr().out == sampled != greedy
+
+
+def test_generate_stays_within_the_trained_context_unless_asked_and_then_says_so(trained, capsys, monkeypatch):
+    """Trained at --seq-len 32 (RoPE reaches 1,024): with no --max-new-tokens the prompt and
+    its continuation fill at most 32 positions; asked for more, it generates them after one
+    warning line."""
+    model, tokenizer = checkpointing.load_trained(trained)
+    prompt = 1 + len(tokenizer.encode("the model", add_special_tokens=False).ids)  # [BOT] first
+    lengths, real = [], generate.generate
+    monkeypatch.setattr(generate, "generate", lambda m, ids, n, *a, **k: lengths.append(len(ids) + n) or
+                        real(m, ids, n, *a, **k))
+    generate.main([str(trained), "--prompt", "the model", "--temperature", "0"])
+    printed = capsys.readouterr()
+    assert lengths == [32] and printed.err == "" and printed.out == expected_text(model, tokenizer, "the model",
+                                                                                   32 - prompt)
+    generate.main([str(trained), "--prompt", "the model", "--temperature", "0", "--max-new-tokens", "40"])
+    printed = capsys.readouterr()
+    assert lengths[1:] == [prompt + 40] and printed.out == expected_text(model, tokenizer, "the model", 40)
+    assert printed.err == (f"warning: the model was trained on sequences of 32 tokens: the prompt ({prompt} tokens) "
+                           "plus 40 new ones go past what it has seen\n")
 
 
 def test_an_unfinished_run_samples_from_its_newest_checkpoint_and_says_so(trained, tmp_path, capsys):
@@ -192,6 +212,20 @@ def test_export_writes_the_files_transformers_reads(trained, tmp_path):
     assert weights.keys() == {k.replace("base_model.", "model.") for k in ours}
     assert all(torch.equal(weights[k.replace("base_model.", "model.")], v) for k, v in ours.items())
     assert not list(tmp_path.glob(".*partial"))  # written beside, then renamed into place
+
+
+def test_a_run_records_the_sequence_length_it_trained_at_and_the_export_carries_it(corpus, tmp_path):
+    """The tiny preset's RoPE reaches 1,024 positions; a run at --seq-len 64 has seen 64. Its
+    config.json says so, and the export tells transformers 64 (max_position_embeddings, and
+    the tokenizer's model_max_length), not 1,024."""
+    out, hf = tmp_path / "run", tmp_path / "hf"
+    run_in_process("train_dp.py", ["--dataset", str(corpus), *FAST, "--seq-len", "64", "--max-steps", "2",
+                                   "--out-dir", str(out)])
+    config = json.loads((out / "config.json").read_text())
+    assert config["trained_seq_len"] == 64 and config["max_position_embeddings"] == 1024
+    export_hf.main([str(out), str(hf)])
+    assert json.loads((hf / "config.json").read_text())["max_position_embeddings"] == 64
+    assert json.loads((hf / "tokenizer_config.json").read_text())["model_max_length"] == 64
 
 
 def test_export_into_a_path_under_a_file_is_one_line(trained, tmp_path):
