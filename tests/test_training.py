@@ -3,6 +3,7 @@ exact; only rank 0 writes; the files load as documented."""
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -335,3 +336,25 @@ def test_fp32_matmuls_on_cuda_use_tf32_and_on_a_cpu_stay_full_fp32():
         assert torch.get_float32_matmul_precision() == "high"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_a_resumed_rank_keeps_no_copy_of_the_checkpoint_and_lets_its_file_go(runs, tmp_path):
+    """The checkpoint is memory-mapped, not read into each rank's memory; once restored, the
+    loaded state is dropped and the optimizer holds copies of its own, so the file is no
+    longer mapped: a pruned checkpoint's disk space is freed, and no rank carries a second
+    copy of the weights and optimizer state through the run."""
+    import gc
+    out = runs.copy(runs("dp", "train_dp.py"), tmp_path / "run")
+    cfg = training.parse_args(["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), "--resume"])
+    ckpt = checkpointing.load_latest_checkpoint(out)
+    path = str(Path(ckpt["path"]).resolve())
+    assert path in Path("/proc/self/maps").read_text()  # mapped, not read
+
+    model = training.build_model(cfg, ckpt["model_config"]["vocab_size"], torch.float32)
+    optimizer, scheduler = training.make_optimizer(model, cfg, total_steps=8)
+    assert training.resume(ckpt, cfg, model, optimizer, scheduler, ckpt["steps_per_epoch"]) == 8
+    assert ckpt == {}
+    gc.collect()
+    assert path not in Path("/proc/self/maps").read_text()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in torch.load(
+        path, map_location="cpu", weights_only=True)["model"].items())  # and restored all the same
