@@ -84,15 +84,24 @@ class LlamaRotaryEmbedding(nn.Module):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        d = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        t = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)           # (max_pos, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)    # (max_pos, D): same table over both halves
+        self.config = config
         # Non-persistent: derived from the config, so they stay out of the state_dict and
         # DataParallel/DDP have nothing to keep in sync.
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", torch.empty(config.max_position_embeddings, config.head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(config.max_position_embeddings, config.head_dim), persistent=False)
+        self.reset_tables()
+
+    @torch.no_grad()
+    def reset_tables(self):
+        """Compute the tables into the buffers: at construction, and again after a model built
+        on the meta device (shapes only) is given real, uninitialized memory."""
+        d = self.config.head_dim
+        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        t = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)           # (max_pos, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)    # (max_pos, D): same table over both halves
+        self.cos.copy_(emb.cos())
+        self.sin.copy_(emb.sin())
 
     def forward(self, T: int, start: int = 0):
         return self.cos[start:start + T], self.sin[start:start + T]  # positions start .. start+T-1
@@ -267,6 +276,18 @@ class LlamaForPretraining(nn.Module):
     def _init_weights(module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def initial_weights(self, seed: int):
+        """(parameter, its initial value) for every parameter, one whole tensor at a time, drawn
+        from a generator of its own: N(0, 0.02) for every matrix and embedding, ones for the
+        RMSNorm gains. The same values wherever the model lives and however it is split: a
+        model built on the meta device and sharded (FSDP) takes each rank's part of each."""
+        generator = torch.Generator().manual_seed(seed)
+        for module in self.modules():  # a fixed order: the module tree's
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                yield module.weight, torch.empty(module.weight.shape).normal_(0.0, 0.02, generator=generator)
+            elif isinstance(module, LlamaRMSNorm):
+                yield module.weight, torch.ones(module.weight.shape)
 
     def forward(self, input_ids, targets=None, kv_caches=None):
         """input_ids: (B, T) token ids.

@@ -81,8 +81,13 @@ def main():
     total_steps = training.total_steps(cfg, steps_per_epoch)
 
     # ---- model and optimizer ----
-    raw_model = shard(training.build_model(cfg, tokenizer.get_vocab_size(), torch.float32).to(device), mesh, dtype,
-                      cfg.compile)  # FSDP: each rank now holds 1/world_size of every weight
+    # FSDP: built on the meta device (shapes, no memory), sharded, then given memory for this
+    # rank's shards alone: no rank ever holds the whole model. Every rank draws each whole
+    # weight in turn, the values one process draws, and keeps its shard of it.
+    raw_model = training.build_model(cfg, tokenizer.get_vocab_size(), torch.float32, device="meta")
+    shard(raw_model, mesh, dtype, cfg.compile)  # in place
+    raw_model.to_empty(device=device)
+    training.init_weights(raw_model, cfg.seed)  # FSDP: each rank now holds 1/world_size of every weight
     optimizer, scheduler = training.make_optimizer(raw_model, cfg, total_steps)  # FSDP: on this rank's shards
     step = training.resume(ckpt, cfg, raw_model, optimizer, scheduler, steps_per_epoch)  # 0 for a new run
     if is_main:

@@ -165,14 +165,34 @@ def _padding(ds: data.PaddedSequenceDataset):
 # Model, optimizer, schedule
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, dtype: torch.dtype) -> LlamaForPretraining:
+def build_model(cfg: TrainConfig, vocab_size: int, dtype: torch.dtype, device="cpu") -> LlamaForPretraining:
+    """The model with its initial weights on `device`; on "meta", shapes only (FSDP shards it
+    first, then calls init_weights)."""
     model_config = LlamaConfig(vocab_size=vocab_size, trained_seq_len=cfg.seq_len, **PRESETS[cfg.model])
-    torch.manual_seed(cfg.seed)  # the same initial weights in every process and script
-    model = LlamaForPretraining(model_config)
+    torch.manual_seed(cfg.seed)  # nothing draws from it after initialization; any future dropout would
+    with torch.device("meta"):  # shapes only: no memory, no random draws
+        model = LlamaForPretraining(model_config)
     model.compute_dtype = dtype  # matmuls in dtype (autocast inside forward); weights stay fp32
     if cfg.activation_checkpointing:
         model.enable_activation_checkpointing()  # before compile and FSDP wrap the layers
+    if device != "meta":
+        model.to_empty(device=device)
+        init_weights(model, cfg.seed)
     return model
+
+
+@torch.no_grad()
+def init_weights(model: LlamaForPretraining, seed: int):
+    """Draw the initial weights (the same in every process and script: model.initial_weights)
+    into a model given memory but no values (to_empty). An FSDP-sharded parameter takes this
+    rank's shard of each whole tensor: no rank holds more than one whole tensor at a time."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    for param, value in model.initial_weights(seed):
+        if isinstance(param, DTensor):  # every rank drew the same value: each keeps its part, no communication
+            value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param = param.to_local()
+        param.copy_(value)
+    model.base_model.rotary_emb.reset_tables()  # buffers too: to_empty left them uninitialized
 
 
 def nvidia_gpus() -> list[str]:

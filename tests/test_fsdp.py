@@ -3,6 +3,7 @@ checkpoints resume exactly, on another world size too, and survive what DDP's su
 
 import os
 import pickle
+import json
 import re
 import shutil
 
@@ -408,3 +409,15 @@ def test_a_usage_error_while_a_sharded_save_is_in_flight_ends_that_save_then_exi
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-00000004"]
     assert sorted(p.name for p in (out / "checkpoint-00000004").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.pt"]
+
+
+def test_fsdp_builds_no_whole_model_and_draws_the_initial_weights_of_one_process(tmp_path):
+    """train_fsdp.py builds the model on the meta device, shards it, and gives each rank
+    memory for its shards alone; every rank then draws each whole weight in turn and keeps
+    its part. Gathered whole again, the weights are bitwise those one process (DP, DDP) starts
+    from, and the RoPE tables are computed again in the fresh memory."""
+    found = tmp_path / "found.json"
+    run_script("tests/fsdp_initial_weights.py", [str(found)], nproc=2)
+    result = json.loads(found.read_text())
+    assert result["on_meta"] and result["names_equal"] and result["differ"] == [] and result["rope"]
+    assert result["local"] <= result["total"] // 2 + 1_000  # this rank's half (a shard of uneven rows rounds up)
