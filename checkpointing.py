@@ -361,8 +361,48 @@ def _shapes(state) -> dict:
     return {k: v.shape for k, v in state.items() if isinstance(v, torch.Tensor)} if isinstance(state, dict) else {}
 
 
-def _shape(shape) -> str:
+def describe_shape(shape) -> str:
     return "missing" if shape is None else "(" + ", ".join(f"{n:,}" for n in shape) + ")"
+
+
+def init_source(path: str) -> tuple[Path, Path]:
+    """--init-from PATH: (the output folder whose config.json and tokenizer.json go with the
+    weights, the weights: a .pt file or a train_fsdp.py checkpoint folder). An output folder
+    gives its model.pt, or else its newest checkpoint."""
+    p = Path(path).expanduser()
+    if p.is_dir() and (p / CONFIG).is_file():  # an output folder
+        out = p
+        newest = [p / name for name in (MODEL, CHECKPOINT) if (p / name).is_file()] or sharded_checkpoints(p)[-1:]
+        if not newest:
+            raise UsageError(f"--init-from {path} holds no {MODEL} and no checkpoint: nothing trained yet")
+        weights = newest[0]
+    elif p.is_file() or (p / ".metadata").is_file():
+        out, weights = p.parent, p
+    else:
+        raise UsageError(f"--init-from {path}: not an output folder, a .pt file of one, or a train_fsdp.py "
+                         "checkpoint folder")
+    for needed in (CONFIG, TOKENIZER):
+        if not (out / needed).is_file():
+            raise UsageError(f"--init-from {path}: no {needed} beside the weights, in {out}")
+    return out, weights
+
+
+def weights_in(path: Path) -> dict:
+    """The model's state_dict in a model.pt or checkpoint .pt file (memory-mapped)."""
+    state = load_pt(path, "weights")
+    if isinstance(state, dict) and {"model", "optimizer"} <= state.keys():  # a checkpoint
+        state = state["model"]
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise UsageError(f"{path} holds no model weights")
+    return state
+
+
+def weight_shapes(path: Path) -> dict:
+    """The shape of every model weight in a .pt file or a sharded checkpoint folder."""
+    if path.is_dir():
+        import sharded_checkpointing  # only for train_fsdp.py's folders
+        return sharded_checkpointing.model_shapes({"path": str(path)})
+    return _shapes(weights_in(path))
 
 
 def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
@@ -400,7 +440,8 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
         name = next((k for k in expected if saved.get(k) != expected[k]), None) or next(k for k in saved
                                                                                      if k not in expected)
         raise UsageError(f"the weights in {out} do not fit its {CONFIG}: {name} is "
-                         f"{_shape(saved.get(name))} in the weights, {_shape(expected.get(name))} by {CONFIG}")
+                         f"{describe_shape(saved.get(name))} in the weights, {describe_shape(expected.get(name))} "
+                         f"by {CONFIG}")
     model = LlamaForPretraining(config)
     if ckpt is not None and ckpt.get("sharded"):
         state = sharded_checkpointing.gathered_model(ckpt, model)

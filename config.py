@@ -80,6 +80,10 @@ class TrainConfig:
                                   type=int)
     log_every: int = flag(10, "log the loss every N steps", minimum=1)
     resume: bool = flag(False, "continue the run in --out-dir from its checkpoint.pt")
+    init_from: str | None = flag(None, "start a new run from these weights: an output folder (its model.pt, else "
+                                 "its newest checkpoint), a .pt file of one, or a train_fsdp.py checkpoint folder; "
+                                 "the optimizer, schedule and data position start afresh, the tokenizer is the "
+                                 "weights' own", type=str)
     stop_at_step: int | None = flag(None, "save and exit after this step; continue later with --resume", minimum=1,
                                     type=int)
     keep_checkpoints: int = flag(2, "numbered checkpoints to keep; checkpoint.pt is always the newest", minimum=1)
@@ -125,6 +129,15 @@ def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConf
     cfg = TrainConfig(**vars(parser.parse_args(argv)))
     if cfg.tokenizer and cfg.vocab_size is not None:
         raise UsageError("--vocab-size sets the size of a tokenizer to train; --tokenizer brings its own")
+    if cfg.init_from:
+        if cfg.resume:
+            raise UsageError("--resume continues the run in --out-dir exactly; --init-from starts a new run from "
+                             "given weights: choose one")
+        if cfg.tokenizer or cfg.vocab_size is not None:
+            raise UsageError("--init-from brings its own tokenizer (the tokenizer.json beside its weights): leave "
+                             "--tokenizer and --vocab-size out")
+        out, _ = checkpointing.init_source(cfg.init_from)
+        cfg.tokenizer = str(out / checkpointing.TOKENIZER)  # the ids the weights were trained on
     for key, value in TRAINING_PRESETS[cfg.model].items():
         if getattr(cfg, key) is None and not (key == "vocab_size" and cfg.tokenizer):
             setattr(cfg, key, value)

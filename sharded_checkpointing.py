@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, F
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+                                                     set_model_state_dict, set_state_dict)
 
 from checkpointing import (CheckpointWriter, _fsync_dir, _nbytes, atomic_save, disk_full, load_pt, sharded_checkpoints,
                            to_prune)
@@ -251,6 +251,16 @@ def gathered_model(ckpt: dict, model) -> dict:
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(state, storage_reader=_SafeReader(Path(ckpt["path"])), planner=_SafePlanner(), no_dist=True)
     return state["model"]
+
+
+def load_model(path: Path, model) -> None:
+    """The weights alone (no optimizer state) of a sharded checkpoint folder, into a model
+    sharded in any way or whole: --init-from. DCP reads each rank's part of every tensor."""
+    state = {"model": get_model_state_dict(model)}
+    with warnings.catch_warnings():  # in one process without a process group, DCP warns that it is
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(), no_dist=not dist.is_initialized())
+    set_model_state_dict(model, state["model"])
 
 
 def full_model_state(model) -> dict:

@@ -87,7 +87,7 @@ def main():
     raw_model = training.build_model(cfg, tokenizer.get_vocab_size(), torch.float32, device="meta")
     shard(raw_model, mesh, dtype, cfg.compile)  # in place
     raw_model.to_empty(device=device)
-    training.init_weights(raw_model, cfg.seed)  # FSDP: each rank now holds 1/world_size of every weight
+    training.init_weights(raw_model, cfg)  # FSDP: each rank now holds 1/world_size of every weight
     optimizer, scheduler = training.make_optimizer(raw_model, cfg, total_steps)  # FSDP: on this rank's shards
     step = training.resume(ckpt, cfg, raw_model, optimizer, scheduler, steps_per_epoch)  # 0 for a new run
     if is_main:

@@ -58,6 +58,8 @@ def prepare_data(cfg: TrainConfig, turns=OneProcess(), sharded: bool = False, mo
     tokenizer = Tokenizer.from_str(turns.from_rank0(lambda: get_tokenizer(cfg, train_text, resuming).to_str()))
     if model_fits:  # a model too big for the device is refused before tokenizing, and before anything is written
         turns.everywhere(lambda: model_fits(tokenizer.get_vocab_size()))
+    if cfg.init_from:  # so is a model that --init-from's weights do not fit
+        turns.everywhere(lambda: check_init_from(cfg, tokenizer.get_vocab_size()))
     train_ds, val_ds = turns.local_rank0_first(lambda: make_datasets(cfg, tokenizer, train_text, val_text, fingerprint))
     turns.everywhere(lambda: claim_out_dir(cfg, ckpt))  # only now: a refused run creates nothing
     return ckpt, tokenizer, train_ds, val_ds
@@ -177,22 +179,49 @@ def build_model(cfg: TrainConfig, vocab_size: int, dtype: torch.dtype, device="c
         model.enable_activation_checkpointing()  # before compile and FSDP wrap the layers
     if device != "meta":
         model.to_empty(device=device)
-        init_weights(model, cfg.seed)
+        init_weights(model, cfg)
     return model
 
 
 @torch.no_grad()
-def init_weights(model: LlamaForPretraining, seed: int):
-    """Draw the initial weights (the same in every process and script: model.initial_weights)
-    into a model given memory but no values (to_empty). An FSDP-sharded parameter takes this
-    rank's shard of each whole tensor: no rank holds more than one whole tensor at a time."""
+def init_weights(model: LlamaForPretraining, cfg: TrainConfig):
+    """The initial weights, into a model given memory but no values (to_empty): drawn from
+    --seed (the same in every process and script: model.initial_weights), or --init-from's.
+    An FSDP-sharded parameter takes this rank's shard of each whole tensor: no rank holds
+    more than one whole tensor at a time (a file's are memory-mapped)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
-    for param, value in model.initial_weights(seed):
-        if isinstance(param, DTensor):  # every rank drew the same value: each keeps its part, no communication
+    if cfg.init_from:
+        _, weights = checkpointing.init_source(cfg.init_from)
+        if weights.is_dir():  # a train_fsdp.py checkpoint: DCP reads each rank's part
+            import sharded_checkpointing
+            sharded_checkpointing.load_model(weights, model)
+            values = ()
+        else:
+            state = checkpointing.weights_in(weights)
+            values = ((param, state[name]) for name, param in model.named_parameters())
+    else:
+        values = model.initial_weights(cfg.seed)
+    for param, value in values:
+        if isinstance(param, DTensor):  # every rank has the same value: each keeps its part, no communication
             value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
             param = param.to_local()
         param.copy_(value)
     model.base_model.rotary_emb.reset_tables()  # buffers too: to_empty left them uninitialized
+
+
+def check_init_from(cfg: TrainConfig, vocab_size: int):
+    """--init-from's weights must have the shapes of the model this run builds: a clear line
+    before anything is allocated or written, not a failed copy."""
+    _, weights = checkpointing.init_source(cfg.init_from)
+    saved = checkpointing.weight_shapes(weights)
+    with torch.device("meta"):
+        model = LlamaForPretraining(LlamaConfig(vocab_size=vocab_size, **PRESETS[cfg.model]))
+    expected = {name: t.shape for name, t in model.state_dict().items()}
+    if saved != expected:
+        name = next((k for k in expected if saved.get(k) != expected[k]), None) or next(iter(saved.keys() - expected))
+        there, here = (checkpointing.describe_shape(x.get(name)) for x in (saved, expected))
+        raise UsageError(f"--init-from {cfg.init_from}: its weights do not fit --model {cfg.model} with its "
+                         f"{vocab_size:,}-token vocabulary: {name} is {there} there, {here} here")
 
 
 def nvidia_gpus() -> list[str]:

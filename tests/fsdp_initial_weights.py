@@ -21,7 +21,7 @@ model = training.build_model(cfg, 300, torch.float32, device="meta")
 on_meta = all(p.is_meta for p in model.parameters())  # nothing allocated yet, on any rank
 shard(model, init_device_mesh("cpu", (world_size,)), torch.float32)
 model.to_empty(device="cpu")
-training.init_weights(model, cfg.seed)
+training.init_weights(model, cfg)
 local = sum(p.to_local().numel() for p in model.parameters())  # what this rank holds
 whole = {name: p.full_tensor() for name, p in model.named_parameters()}  # a collective: every rank
 if rank == 0:

@@ -413,3 +413,23 @@ def test_a_checkpoint_of_clipped_documents_is_refused(finished_run, corpus, tmp_
         torch.save(ckpt, path)
     refused_in_process("train_dp.py", ["--dataset", str(corpus), *FAST, "--resume"], out,
                        "was trained on documents clipped to one row each", capsys)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--model", "article"], "its weights do not fit --model article with its 300-token vocabulary: "
+                             "base_model.embed_tokens.weight is (300, 256) there, (300, 768) here"),
+    (["--resume"], "--resume continues the run in --out-dir exactly; --init-from starts a new run"),
+    (["--vocab-size", "300"], "--init-from brings its own tokenizer"),
+])
+def test_init_from_refuses_weights_that_do_not_fit_and_flags_that_contradict_it(finished_run, corpus, tmp_path,
+                                                                                 extra, message, capsys):
+    fast = [a for a in FAST if a not in ("--vocab-size", "300")]
+    refused_in_process("train_dp.py", ["--dataset", str(corpus), *fast, "--init-from", str(finished_run), *extra],
+                       tmp_path / "new", message, capsys)
+
+
+def test_init_from_a_folder_without_weights_is_refused(corpus, tmp_path, capsys):
+    fast = [a for a in FAST if a not in ("--vocab-size", "300")]
+    (tmp_path / "empty").mkdir()
+    refused_in_process("train_dp.py", ["--dataset", str(corpus), *fast, "--init-from", str(tmp_path / "empty")],
+                       tmp_path / "new", "not an output folder, a .pt file of one, or a train_fsdp.py", capsys)

@@ -358,3 +358,44 @@ def test_a_resumed_rank_keeps_no_copy_of_the_checkpoint_and_lets_its_file_go(run
     assert path not in Path("/proc/self/maps").read_text()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in torch.load(
         path, map_location="cpu", weights_only=True)["model"].items())  # and restored all the same
+
+
+# ---- warm starts: --init-from -------------------------------------------------------------
+
+WARM = [a for a in FAST if a not in ("--vocab-size", "300")]  # --init-from brings its own tokenizer
+
+
+def test_init_from_starts_a_new_run_at_the_trained_weights_with_a_fresh_schedule(runs, tmp_path):
+    """A finished 8-step run continued for 8 more: the new run starts from its weights (bitwise)
+    and its tokenizer, so its first logged loss is near where that run ended, not where it
+    began; the optimizer, the LR schedule and the data position start afresh."""
+    first, warm = runs("dp", "train_dp.py"), tmp_path / "warm"
+    cfg = training.parse_args(["--dataset", str(runs.corpus), *WARM, "--init-from", str(first)])
+    start = training.build_model(cfg, 300, torch.float32).state_dict()
+    assert all(torch.equal(start[k], v) for k, v in load_weights(first).items())
+    train("train_dp.py", ["--dataset", str(runs.corpus), *WARM, "--init-from", str(first), "--out-dir", str(warm)])
+    before, after = ([row for row in metrics(run) if "loss" in row] for run in (first, warm))
+    learned = before[0]["loss"] - before[-1]["loss"]
+    assert learned > 1 and abs(after[0]["loss"] - before[-1]["loss"]) < learned / 4
+    assert [row["lr"] for row in after] == [row["lr"] for row in before]  # the schedule from its start
+    assert (warm / "tokenizer.json").read_text() == (first / "tokenizer.json").read_text()
+
+
+def test_init_from_works_under_ddp_and_fsdp_and_from_a_sharded_checkpoint(runs, tmp_path, floor):
+    """DDP and FSDP on 2 ranks, warm-started from a one-process run's folder, train the model
+    one process trains from it (to rounding). A train_fsdp.py checkpoint folder gives the
+    weights gathered from its shards: bitwise those of that run's model.pt at the same step."""
+    from test_fsdp import fsdp_two_ranks
+    first = runs("dp", "train_dp.py")
+    common = ["--dataset", str(runs.corpus), *WARM, "--init-from", str(first)]
+    trained = {}
+    for script, nproc in (("train_dp.py", 0), ("train_ddp.py", 2), ("train_fsdp.py", 2)):
+        trained[script] = tmp_path / script
+        train(script, [*common, "--out-dir", str(trained[script])], nproc)
+    for script in ("train_ddp.py", "train_fsdp.py"):
+        assert_same_model(trained[script], trained["train_dp.py"], floor)
+    sharded = fsdp_two_ranks(runs)
+    at_step_8 = sharded / "checkpoint-00000008"
+    cfg = training.parse_args(["--dataset", str(runs.corpus), *WARM, "--init-from", str(at_step_8)])
+    start = training.build_model(cfg, 300, torch.float32).state_dict()
+    assert all(torch.equal(start[k], v) for k, v in load_weights(sharded).items())
