@@ -60,7 +60,7 @@ class TrainConfig:
     batch_size: int | None = flag(None, "GLOBAL sequences per optimizer step (all ranks, all micro-batches)",
                                   minimum=1, same_on_resume=True, type=int)
     grad_accum: int = flag(1, "micro-batches per optimizer step", minimum=1)
-    # optimization (REFERENCE.md's recipe)
+    # optimization (the article's recipe: README.md)
     epochs: int = flag(3, "passes over the training data", minimum=1, same_on_resume=True)
     max_steps: int | None = flag(None, "optimizer steps (default: all epochs); also sets the LR schedule's length",
                                  minimum=1, same_on_resume=True, type=int)
@@ -98,7 +98,7 @@ class TrainConfig:
                                        number="positive", maximum=1e6, ddp_only=True)
 
 
-# Defaults that depend on --model. `article` is REFERENCE.md's recipe; `tiny` is the demo
+# Defaults that depend on --model. `article` is the article's recipe (README.md); `tiny` is the demo
 # that runs with no arguments and finishes in a few minutes on a 2-core CPU.
 TRAINING_PRESETS = {
     "tiny": dict(vocab_size=4096, seq_len=128, batch_size=16, max_steps=250, warmup_steps=25,

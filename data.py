@@ -269,6 +269,26 @@ class PaddedSequenceDataset(torch.utils.data.Dataset):
         return list(zip(x, y))  # the DataLoader's collate stacks them back: one copy of the batch
 
 
+class ResumableRandomSampler(torch.utils.data.Sampler):
+    """One process's shuffling sampler that can begin part-way through an epoch: the
+    permutation of seed + epoch, whole, that ResumableDistributedSampler (below) deals out
+    to the ranks. `set_epoch(epoch, start)` reshuffles and skips the first `start` samples."""
+
+    def __init__(self, dataset, seed: int):
+        self.n, self.seed, self.epoch, self.start = len(dataset), seed, 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __iter__(self):
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)  # as DistributedSampler seeds its shuffle
+        return iter(torch.randperm(self.n, generator=generator)[self.start:].tolist())
+
+    def __len__(self):
+        return self.n - self.start
+
+
 class ResumableDistributedSampler(torch.utils.data.DistributedSampler):
     """DistributedSampler that can begin part-way through an epoch.
 

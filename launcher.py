@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
@@ -151,11 +152,23 @@ def tell_torchrun(message: str):
 #   (torch 2.13 renamed broadcast_buffers to forward_sync_buffers; torch 2.5 knows only the old name.)
 _DDP_ARGS = inspect.signature(DistributedDataParallel).parameters
 _SYNC_BUFFERS = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"
-DDP_OPTIONS = {"gradient_as_bucket_view": True, _SYNC_BUFFERS: False}
+NO_BUFFER_SYNC = {_SYNC_BUFFERS: False}
+DDP_OPTIONS = {"gradient_as_bucket_view": True, **NO_BUFFER_SYNC}  # what train_ddp.py passes, for the benches
 
 
-def init_process_group(backend: str, timeout_minutes: float):
-    """dist.init_process_group on torchrun's store (or, under plain `python`, a world of one)."""
+def agreed(stop_requested: bool, group) -> bool:
+    """Whether any rank was asked to stop. A signal reaches the ranks at different moments;
+    one tiny all-reduce per step (MAX of a 0 or 1) makes all of them stop after the same
+    step instead of racing into collectives the others have left."""
+    flag = torch.tensor([stop_requested], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
+def job_store(timeout_minutes: float):
+    """The store dist.init_process_group meets the other ranks through: torchrun's, with a
+    prefix per restart (or, under plain `python`, one for a world of one)."""
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if ("RANK" in os.environ or world_size > 1) and not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
         # RANK or WORLD_SIZE without a launcher (left in a shell, or a plain `python` where
@@ -163,16 +176,13 @@ def init_process_group(backend: str, timeout_minutes: float):
         raise UsageError(f"RANK={os.environ.get('RANK', '(unset)')} WORLD_SIZE={os.environ.get('WORLD_SIZE', '(unset)')} "
                          "without MASTER_ADDR and MASTER_PORT: start the ranks with torchrun, or unset RANK and "
                          "WORLD_SIZE to train as one process")
-    timeout = datetime.timedelta(minutes=timeout_minutes)  # how long a training collective may wait
     if "RANK" in os.environ:  # MASTER_ADDR/PORT, RANK and WORLD_SIZE come from torchrun
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
         # torchrun shares its rendezvous store with the workers and keeps it when it restarts
         # them (--max-restarts): keys of each attempt get their own prefix, or a restarted
         # rank can read a dead peer's address and fail to connect (pytorch/pytorch#135712).
-        store = dist.PrefixStore(f"attempt{restart_count()}/", store)
-    else:
-        store = dist.HashStore()
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        return dist.PrefixStore(f"attempt{restart_count()}/", store)
+    return dist.HashStore()
 
 
 def side_groups(backend: str, timeout_minutes: float, data_timeout_minutes: float):

@@ -52,7 +52,7 @@ class LlamaConfig:
         return self.hidden_size // self.num_attention_heads
 
 
-# `article`: the published full-size model (about 180M parameters with a 50K vocabulary).
+# `article`: the article's full-size model (README.md names it) (about 180M parameters with a 50K vocabulary).
 # `tiny`: the CPU demo, small enough to train visibly in a few minutes on two cores.
 PRESETS = {
     "tiny": dict(max_position_embeddings=1024, hidden_size=256, intermediate_size=1024,

@@ -10,6 +10,7 @@ Read `diff train_dp.py train_ddp.py`: it shows exactly what DDP changes.
 """
 
 import contextlib
+import datetime
 import os
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ from model import IGNORE_INDEX
 
 def main():
     cfg = training.parse_args(ddp=True, description=__doc__)
-    # DDP: torchrun tells each process who it is. RANK: its place in the whole job;
+    # torchrun tells each process who it is. RANK: its place in the whole job;
     # LOCAL_RANK: its place on this machine, which picks the GPU (RANK would pick GPU 5
     # on a 4-GPU node 2). Under plain `python` it is a world of one.
     rank = int(os.environ.get("RANK", 0))
@@ -45,11 +46,12 @@ def main():
     micro_batch = training.micro_batch_size(cfg, world_size)  # per process and micro-step
     dtype = training.compute_dtype(cfg.dtype, device)  # matmuls in dtype; weights and loss stay fp32
     backend = cfg.backend or ("nccl" if device.type == "cuda" else "gloo")
-    launcher.init_process_group(backend, cfg.timeout_minutes)  # DDP: join the job's processes
+    dist.init_process_group(backend, store=launcher.job_store(cfg.timeout_minutes), rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(minutes=cfg.timeout_minutes))  # join the job's processes
     prep, control = launcher.side_groups(backend, cfg.timeout_minutes, cfg.data_timeout_minutes)
 
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
-    # DDP: local rank 0 of each node prepares the data first; the others then read its cache
+    # local rank 0 of each node prepares the data first; the others then read its cache
     # a model too big for this device's memory is refused once the vocabulary is known
     model_fits = memory.Check(cfg, micro_batch, dtype, device)
     ckpt, tokenizer, train_ds, val_ds = training.prepare_data(cfg, launcher.InTurns(prep, local_rank),
@@ -66,11 +68,10 @@ def main():
     if is_main:
         checkpointing.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
     # DDP: one replica per process; gradients are all-reduced during backward
-    model = DDP(raw_model, device_ids=[local_rank] if device.type == "cuda" else None,
-                **launcher.DDP_OPTIONS)
+    model = DDP(raw_model, device_ids=[local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True,
+                **launcher.NO_BUFFER_SYNC)  # why these two options: launcher.py
 
-    # Each rank reads every world_size-th sample of one shared permutation, so the ranks'
-    # batches together are exactly the global batch that train_dp.py sees at this step.
+    # each rank reads every world_size-th sample of the epoch's permutation: together, train_dp.py's batch
     sampler = ResumableDistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True,
                                           seed=cfg.seed, drop_last=True)
     loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
@@ -86,7 +87,7 @@ def main():
     last_step = min(total_steps, cfg.stop_at_step or total_steps)
     train_totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, targets] since last log
     pbar = tqdm(total=total_steps, initial=step, dynamic_ncols=True, disable=not is_main)
-    peak = training.peak_tflops(device, dtype, n_devices=world_size)  # for MFU
+    peak = training.peak_tflops(device, dtype, n_devices=training.devices_in_use(model))  # for MFU
     speedometer = training.Speedometer(cfg, raw_model.flops_per_token(cfg.seq_len), peak)
     batches, preempted, started = None, False, time.perf_counter()
     first_step, loss, val_loss = step, None, None  # for the summary at the end
@@ -100,7 +101,7 @@ def main():
         # Real (non-pad) targets in this whole optimizer step. Dividing each micro-batch's
         # summed loss by this count weighs every token the same, however many pads there are.
         n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
-        dist.all_reduce(n_tokens)  # DDP: count the targets of every rank's share of the step
+        dist.all_reduce(n_tokens)  # count the targets of every rank's share of the step
         for i, (x, y) in enumerate(micro_batches):
             # Only the last micro-step all-reduces gradients; the others accumulate locally.
             # no_sync must wrap forward too, not just backward, or DDP syncs anyway.
@@ -122,11 +123,7 @@ def main():
         step += 1
         speedometer.step()
         pbar.update()
-        # The signal reaches the ranks at different moments; one tiny all-reduce per step
-        # makes all of them stop after the same step instead of racing.
-        flag = torch.tensor([stop.requested], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
-        preempted = bool(flag.item())
+        preempted = launcher.agreed(stop.requested, control)  # every rank stops after the same step
 
         if step % cfg.log_every == 0 or step == last_step:
             dist.all_reduce(train_totals[:1])  # loss sums of every rank (the counts are global already)

@@ -21,7 +21,7 @@ import checkpointing
 import launcher
 import memory
 import training
-from data import ResumableDistributedSampler
+from data import ResumableRandomSampler
 from errors import UsageError
 from model import IGNORE_INDEX
 
@@ -55,10 +55,8 @@ def main():
     # DataParallel: one process drives every visible GPU
     model = nn.DataParallel(raw_model) if gpus > 1 else raw_model
 
-    # The same sampler as DDP with a world of one: the order of global batches depends only
-    # on the seed and the epoch, so this script and train_ddp.py train on the same batches.
-    sampler = ResumableDistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True,
-                                          seed=cfg.seed, drop_last=True)
+    # each epoch a permutation of seed + epoch alone: train_ddp.py deals the same one to its ranks
+    sampler = ResumableRandomSampler(train_ds, seed=cfg.seed)
     loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
                         pin_memory=device.type == "cuda")
     val_loader = training.val_loader(val_ds, rank, world_size, micro_batch)

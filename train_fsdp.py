@@ -10,6 +10,7 @@ an all-gather per layer in forward and in backward. Checkpoints are sharded too.
 Read `diff train_ddp.py train_fsdp.py`: it shows exactly what FSDP changes.
 """
 
+import datetime
 import os
 import time
 from pathlib import Path
@@ -51,7 +52,7 @@ def shard(model, mesh, dtype: torch.dtype, compile_layers: bool = False):
 
 def main():
     cfg = training.parse_args(ddp=True, description=__doc__)
-    # DDP: torchrun tells each process who it is. RANK: its place in the whole job;
+    # torchrun tells each process who it is. RANK: its place in the whole job;
     # LOCAL_RANK: its place on this machine, which picks the GPU (RANK would pick GPU 5
     # on a 4-GPU node 2). Under plain `python` it is a world of one.
     rank = int(os.environ.get("RANK", 0))
@@ -66,12 +67,13 @@ def main():
     micro_batch = training.micro_batch_size(cfg, world_size)  # per process and micro-step
     dtype = training.compute_dtype(cfg.dtype, device)  # matmuls in dtype; weights and loss stay fp32
     backend = cfg.backend or ("nccl" if device.type == "cuda" else "gloo")
-    launcher.init_process_group(backend, cfg.timeout_minutes)  # DDP: join the job's processes
+    dist.init_process_group(backend, store=launcher.job_store(cfg.timeout_minutes), rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(minutes=cfg.timeout_minutes))  # join the job's processes
     prep, control = launcher.side_groups(backend, cfg.timeout_minutes, cfg.data_timeout_minutes)
     mesh = init_device_mesh(device.type, (world_size,))  # FSDP: the ranks that share each tensor
 
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
-    # DDP: local rank 0 of each node prepares the data first; the others then read its cache
+    # local rank 0 of each node prepares the data first; the others then read its cache
     # a model too big for this device's memory is refused once the vocabulary is known
     model_fits = memory.Check(cfg, micro_batch, dtype, device,
                               shards=world_size)  # FSDP: each rank holds 1/world_size of the state
@@ -84,6 +86,7 @@ def main():
     # FSDP: built on the meta device (shapes, no memory), sharded, then given memory for this
     # rank's shards alone: no rank ever holds the whole model. Every rank draws each whole
     # weight in turn, the values one process draws, and keeps its shard of it.
+    # float32, not dtype: under FSDP, MixedPrecisionPolicy (in shard) sets the compute dtype, not autocast
     raw_model = training.build_model(cfg, tokenizer.get_vocab_size(), torch.float32, device="meta")
     shard(raw_model, mesh, dtype, cfg.compile)  # in place
     raw_model.to_empty(device=device)
@@ -94,8 +97,7 @@ def main():
         checkpointing.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
     model = raw_model  # FSDP: sharded in place, no wrapper
 
-    # Each rank reads every world_size-th sample of one shared permutation, so the ranks'
-    # batches together are exactly the global batch that train_dp.py sees at this step.
+    # each rank reads every world_size-th sample of the epoch's permutation: together, train_dp.py's batch
     sampler = ResumableDistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True,
                                           seed=cfg.seed, drop_last=True)
     loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
@@ -111,7 +113,7 @@ def main():
     last_step = min(total_steps, cfg.stop_at_step or total_steps)
     train_totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, targets] since last log
     pbar = tqdm(total=total_steps, initial=step, dynamic_ncols=True, disable=not is_main)
-    peak = training.peak_tflops(device, dtype, n_devices=world_size)  # for MFU
+    peak = training.peak_tflops(device, dtype, n_devices=training.devices_in_use(model))  # for MFU
     speedometer = training.Speedometer(cfg, raw_model.flops_per_token(cfg.seq_len), peak)
     batches, preempted, started = None, False, time.perf_counter()
     first_step, loss, val_loss = step, None, None  # for the summary at the end
@@ -125,7 +127,7 @@ def main():
         # Real (non-pad) targets in this whole optimizer step. Dividing each micro-batch's
         # summed loss by this count weighs every token the same, however many pads there are.
         n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
-        dist.all_reduce(n_tokens)  # DDP: count the targets of every rank's share of the step
+        dist.all_reduce(n_tokens)  # count the targets of every rank's share of the step
         for x, y in micro_batches:
             # FSDP: every micro-step reduce-scatters its gradients into the shards (torchtitan's
             # choice). Syncing only the last would save traffic but hold unsharded gradients.
@@ -136,7 +138,7 @@ def main():
         train_totals[1] += n_tokens
 
         # ---- the optimizer step: clip, step, next LR, clear gradients ----
-        if cfg.grad_clip:
+        if cfg.grad_clip:  # FSDP: on the shards; the norm's squares are summed over the ranks first
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -145,11 +147,7 @@ def main():
         step += 1
         speedometer.step()
         pbar.update()
-        # The signal reaches the ranks at different moments; one tiny all-reduce per step
-        # makes all of them stop after the same step instead of racing.
-        flag = torch.tensor([stop.requested], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
-        preempted = bool(flag.item())
+        preempted = launcher.agreed(stop.requested, control)  # every rank stops after the same step
 
         if step % cfg.log_every == 0 or step == last_step:
             dist.all_reduce(train_totals[:1])  # loss sums of every rank (the counts are global already)
@@ -162,7 +160,7 @@ def main():
         with speedometer.paused():  # saving and evaluation do not count as training time
             saving = step % cfg.save_every == 0 or step == last_step or preempted
             if saving:
-                training.stop_if_diverged(step, cfg, model=raw_model)  # on every rank, before saving
+                training.stop_if_diverged(step, cfg, model=raw_model)  # every rank: FSDP all-reduces its check
                 # FSDP: every rank writes its own shards, from a background thread after a copy in
                 # memory; no rank gathers the whole state
                 writer.save(raw_model, optimizer, checkpointing.run_state(raw_model, scheduler, cfg, step, train_ds))
@@ -179,8 +177,8 @@ def main():
     pbar.close()
     writer.wait()  # the last checkpoint is on disk before we go on
 
-    if step == total_steps:  # FSDP: gathered from every rank's shards into rank 0's memory
-        full_state = sharded_checkpointing.full_model_state(raw_model)
+    if step == total_steps:  # FSDP: gathered from every rank's shards into rank 0's memory: a collective,
+        full_state = sharded_checkpointing.full_model_state(raw_model)  # so every rank calls it, not rank 0 alone
     if is_main:
         if step == total_steps:  # plain keys, as the other scripts write them
             checkpointing.atomic_save(full_state, Path(cfg.out_dir) / checkpointing.MODEL)

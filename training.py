@@ -1,7 +1,8 @@
-"""What train_dp.py and train_ddp.py share: data preparation, model, optimizer and
-schedule, resume, evaluation and metrics (the flags live in config.py; training.parse_args
-is config's). Nothing here knows about DataParallel or DDP; the two scripts hold exactly
-the parts that differ.
+"""What the three scripts share: data preparation, model building, optimizer and schedule,
+resume, evaluation and metrics (the flags live in config.py; training.parse_args is
+config's). No DataParallel, DDP or FSDP call is made here: the scripts hold those, the
+parts that differ. (A few helpers work on whatever they are given, an FSDP model's
+sharded weights included: init_weights, weights_finite, evaluate.)
 """
 
 import contextlib
@@ -399,8 +400,10 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, n_devices: int = 1):
 
 
 def devices_in_use(model: torch.nn.Module) -> int:
-    """GPUs that one process computes on: all of DataParallel's, else one."""
-    return max(1, len(model.device_ids)) if isinstance(model, torch.nn.DataParallel) else 1
+    """The devices the job computes on: all of DataParallel's GPUs, or one per rank."""
+    if isinstance(model, torch.nn.DataParallel):
+        return max(1, len(model.device_ids))
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
 def throughput(seconds: float, steps: int, cfg: TrainConfig, nonpad_tokens: float, flops_per_token: int,

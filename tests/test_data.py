@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import corpus
 import data
-from data import BOT, EOT, PAD, PaddedSequenceDataset, ResumableDistributedSampler
+from data import BOT, EOT, PAD, PaddedSequenceDataset, ResumableDistributedSampler, ResumableRandomSampler
 from errors import UsageError
 from model import IGNORE_INDEX
 
@@ -297,8 +297,15 @@ def global_batches(n, batch_size, world_size, epoch, seed=3):
 
 
 def test_every_world_size_sees_the_same_global_batches():
+    """And train_dp.py's one-process sampler deals the same permutation: the same batches."""
     for epoch in (0, 1):
         one = global_batches(103, 12, 1, epoch)
+        sampler = ResumableRandomSampler(range(103), seed=3)
+        sampler.set_epoch(epoch)
+        alone = list(sampler)
+        assert one == [sorted(alone[s * 12:(s + 1) * 12]) for s in range(8)]
+        sampler.set_epoch(epoch, start=30)
+        assert list(sampler) == alone[30:] and len(sampler) == 73
         assert len(one) == 8
         assert global_batches(103, 12, 2, epoch) == one
         assert global_batches(103, 12, 4, epoch) == one
