@@ -15,6 +15,7 @@ import checkpointing
 import corpus
 import data
 from errors import UsageError
+from launcher import warn
 from model import PRESETS
 
 
@@ -129,10 +130,10 @@ def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConf
     cfg = TrainConfig(**vars(parser.parse_args(argv)))
     if cfg.tokenizer and cfg.vocab_size is not None:
         raise UsageError("--vocab-size sets the size of a tokenizer to train; --tokenizer brings its own")
+    if cfg.init_from and cfg.resume:  # e.g. a job resubmitted with its arguments plus --resume
+        warn(f"--init-from {cfg.init_from} is ignored: --resume continues the run in --out-dir from its checkpoint")
+        cfg.init_from = None
     if cfg.init_from:
-        if cfg.resume:
-            raise UsageError("--resume continues the run in --out-dir exactly; --init-from starts a new run from "
-                             "given weights: choose one")
         if cfg.tokenizer or cfg.vocab_size is not None:
             raise UsageError("--init-from brings its own tokenizer (the tokenizer.json beside its weights): leave "
                              "--tokenizer and --vocab-size out")
@@ -159,8 +160,9 @@ def validate(cfg: TrainConfig):
     max_pos = PRESETS[cfg.model]["max_position_embeddings"]
     if cfg.seq_len > max_pos:
         raise UsageError(f"--seq-len {cfg.seq_len} exceeds the {cfg.model} model's {max_pos} positions")
-    if cfg.backend == "nccl" and not torch.cuda.is_available():
-        raise UsageError("--backend nccl needs CUDA GPUs, and none is visible: leave --backend out (gloo on CPUs)")
+    if cfg.backend == "nccl" and (cfg.device == "cpu" or not torch.cuda.is_available()):
+        raise UsageError("--backend nccl needs CUDA GPUs, and this run has none (none visible, or --device cpu): "
+                         "leave --backend out (gloo on CPUs)")
     corpus.check_dataset_flags(cfg.dataset, cfg.dataset_config, cfg.split)
     checkpointing.check_writable(cfg.out_dir)
     dataset = Path(cfg.dataset).expanduser()

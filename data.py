@@ -94,10 +94,12 @@ def clip_is_exact(tokenizer: Tokenizer) -> bool:
     tokenizers like ours and GPT-2's: their pre-tokenizer puts whitespace only at the start
     of a piece, so such a cut falls between two pieces, and BPE encodes each piece on its own.
     Anything that could look across the cut (a normalizer, BPE dropout, a special token with
-    whitespace in it or stripping around it) rules it out."""
+    whitespace in it or stripping around it) rules it out, and so does add_prefix_space,
+    which would give every piece of a long document a space of its own."""
     spec = json.loads(tokenizer.to_str())
     pre = spec.get("pre_tokenizer") or {}
     return (spec.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+            and not pre.get("add_prefix_space", False)
             and spec["model"]["type"] == "BPE" and spec["model"].get("dropout") is None
             and not any(re.search(r"\s", t["content"]) or t.get("lstrip") or t.get("rstrip")
                         for t in spec["added_tokens"]))
@@ -200,7 +202,7 @@ def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int) -> dat
 
 def _longest(texts: datasets.Dataset) -> int:
     """The longest document's characters, from the Arrow column (no Python strings)."""
-    lengths = pyarrow.compute.utf8_length(texts.data.column("text"))
+    lengths = pyarrow.compute.utf8_length(texts.with_format("arrow")[:]["text"])  # these documents only
     return pyarrow.compute.max(lengths).as_py() or 0
 
 

@@ -32,12 +32,10 @@ from model import IGNORE_INDEX
 
 
 def shard(model, mesh, dtype: torch.dtype, compile_layers: bool = False):
-    """FSDP: shard the model in place, in groups gathered whole only while they run: each
-    decoder layer (freed after its forward, gathered again for backward: reshard_after_forward),
-    the embedding, and the final norm with the LM head (kept from the end of forward into
-    backward, which starts with them: less memory than one root group, see bench_grouping.py).
-    MixedPrecisionPolicy replaces autocast: groups are gathered in `dtype` to compute;
-    gradients are reduced in fp32 into the fp32 shards."""
+    """FSDP: shard the model in place, in groups gathered whole only while they run: each layer
+    (gathered again for backward), the embedding, the final norm with the LM head (kept into
+    backward, which starts with them: bench_grouping.py). MixedPrecisionPolicy replaces
+    autocast: gathered in `dtype` to compute, gradients reduced in fp32 into fp32 shards."""
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in model.base_model.layers:
         if compile_layers:
@@ -75,17 +73,15 @@ def main():
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
     # local rank 0 of each node prepares the data first; the others then read its cache
     # a model too big for this device's memory is refused once the vocabulary is known
-    model_fits = memory.Check(cfg, micro_batch, dtype, device,
-                              shards=world_size)  # FSDP: each rank holds 1/world_size of the state
+    model_fits = memory.Check(cfg, micro_batch, dtype, device, shards=world_size)  # FSDP: 1/world_size each
     ckpt, tokenizer, train_ds, val_ds = training.prepare_data(cfg, launcher.InTurns(prep, local_rank), sharded=True,
                                                               model_fits=model_fits)
     steps_per_epoch = len(train_ds) // cfg.batch_size  # full global batches only
     total_steps = training.total_steps(cfg, steps_per_epoch)
 
     # ---- model and optimizer ----
-    # FSDP: built on the meta device (shapes, no memory), sharded, then given memory for this
-    # rank's shards alone: no rank ever holds the whole model. Every rank draws each whole
-    # weight in turn, the values one process draws, and keeps its shard of it.
+    # FSDP: built on the meta device (no memory), sharded, then memory for this rank's shards
+    # alone; each whole weight is drawn as one process draws it, and each rank keeps its shard.
     # float32, not dtype: under FSDP, MixedPrecisionPolicy (in shard) sets the compute dtype, not autocast
     raw_model = training.build_model(cfg, tokenizer.get_vocab_size(), torch.float32, device="meta")
     shard(raw_model, mesh, dtype, cfg.compile)  # in place

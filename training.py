@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import datetime
 import glob
+import inspect
 import json
 import math
 import os
@@ -191,6 +192,9 @@ def init_weights(model: LlamaForPretraining, cfg: TrainConfig):
     An FSDP-sharded parameter takes this rank's shard of each whole tensor: no rank holds
     more than one whole tensor at a time (a file's are memory-mapped)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
+    # every rank holds the same whole value: from torch 2.7 each keeps its part with no
+    # communication (src_data_rank=None); torch 2.6 scatters rank 0's, the same values
+    local = {"src_data_rank": None} if "src_data_rank" in inspect.signature(distribute_tensor).parameters else {}
     if cfg.init_from:
         _, weights = checkpointing.init_source(cfg.init_from)
         if weights.is_dir():  # a train_fsdp.py checkpoint: DCP reads each rank's part
@@ -203,8 +207,8 @@ def init_weights(model: LlamaForPretraining, cfg: TrainConfig):
     else:
         values = model.initial_weights(cfg.seed)
     for param, value in values:
-        if isinstance(param, DTensor):  # every rank has the same value: each keeps its part, no communication
-            value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        if isinstance(param, DTensor):  # FSDP: this rank's part of the whole value
+            value = distribute_tensor(value, param.device_mesh, param.placements, **local).to_local()
             param = param.to_local()
         param.copy_(value)
     model.base_model.rotary_emb.reset_tables()  # buffers too: to_empty left them uninitialized
@@ -318,15 +322,15 @@ def resume(ckpt: dict | None, cfg: TrainConfig, model, optimizer, scheduler, ste
     rank keeps a second copy of the weights and optimizer state for the whole run."""
     if ckpt is None:
         return 0
-    ours = dataclasses.asdict(model.config)
-    for key, value in ckpt["model_config"].items():
-        if ours.get(key) != value:
-            raise UsageError(f"checkpoint's model has {key}={value}, this run's has {ours.get(key)}")
-    for f in dataclasses.fields(cfg):
+    for f in dataclasses.fields(cfg):  # the flags first: they name what changed in the user's words
         was, now = ckpt["train_config"].get(f.name), getattr(cfg, f.name)
         if f.metadata["same_on_resume"] and was != now:
             raise UsageError(f"--{f.name.replace('_', '-')} was {was!r} in the checkpoint's run, now {now!r}: "
                              "resume with the same value")
+    ours = dataclasses.asdict(model.config)
+    for key, value in ckpt["model_config"].items():
+        if ours.get(key) != value:
+            raise UsageError(f"checkpoint's model has {key}={value}, this run's has {ours.get(key)}")
     if ckpt.get("framing") != data.FRAMING:  # older checkpoints trained on each document's first seq_len tokens
         raise UsageError(f"{Path(ckpt['path']).name} was trained on documents clipped to one row each (an earlier "
                          "version of this trainer); this one trains on every token, in windows: start a new run")

@@ -121,7 +121,9 @@ def test_bad_invocation_of_a_new_run(tmp_path, corpus, plain_tokenizer, case, sc
 
 
 RESUME_CASES = [
-    ("different-model", ["--resume", "--model", "article", "--seq-len", "32"], "checkpoint's model has"),
+    ("different-model", ["--resume", "--model", "article", "--seq-len", "32"],
+     "--model was 'tiny' in the checkpoint's run, now 'article'"),
+    ("different-seq-len", ["--resume", "--seq-len", "64"], "--seq-len was 32 in the checkpoint's run, now 64"),
     ("different-batch", ["--resume", "--batch-size", "16"], "--batch-size was 8 in the checkpoint's run, now 16"),
     ("different-lr", ["--resume", "--lr", "0.002"], "--lr was 0.001"),
     ("new-run-over-old-one", [], "already holds a run"),
@@ -418,7 +420,6 @@ def test_a_checkpoint_of_clipped_documents_is_refused(finished_run, corpus, tmp_
 @pytest.mark.parametrize("extra, message", [
     (["--model", "article"], "its weights do not fit --model article with its 300-token vocabulary: "
                              "base_model.embed_tokens.weight is (300, 256) there, (300, 768) here"),
-    (["--resume"], "--resume continues the run in --out-dir exactly; --init-from starts a new run"),
     (["--vocab-size", "300"], "--init-from brings its own tokenizer"),
 ])
 def test_init_from_refuses_weights_that_do_not_fit_and_flags_that_contradict_it(finished_run, corpus, tmp_path,
@@ -433,3 +434,13 @@ def test_init_from_a_folder_without_weights_is_refused(corpus, tmp_path, capsys)
     (tmp_path / "empty").mkdir()
     refused_in_process("train_dp.py", ["--dataset", str(corpus), *fast, "--init-from", str(tmp_path / "empty")],
                        tmp_path / "new", "not an output folder, a .pt file of one, or a train_fsdp.py", capsys)
+
+
+def test_init_from_is_ignored_with_a_warning_when_a_job_resumes(finished_run, corpus, capsys):
+    """A job resubmitted with its arguments plus --resume: the checkpoint's weights win."""
+    import training
+    fast = [a for a in FAST if a not in ("--vocab-size", "300")]
+    cfg = training.parse_args(["--dataset", str(corpus), *fast, "--init-from", str(finished_run), "--resume"])
+    assert cfg.init_from is None and cfg.tokenizer is None
+    assert capsys.readouterr().err == (f"warning: --init-from {finished_run} is ignored: --resume continues the run "
+                                       "in --out-dir from its checkpoint\n")

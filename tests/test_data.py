@@ -253,6 +253,14 @@ def test_the_bpe_trainer_reads_long_documents_in_pieces_and_learns_what_it_learn
     assert pieced.to_str() == whole.to_str()
 
 
+def test_a_byte_level_bpe_that_adds_a_prefix_space_cannot_be_cut_exactly(tokenizer):
+    """Each piece of a long document would get a space of its own: 200,003 tokens instead of
+    199,999 for 480,000 characters of "hello\\nworld\\n" when it was allowed."""
+    prefixed = Tokenizer.from_str(tokenizer.to_str())
+    prefixed.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    assert data.clip_is_exact(tokenizer) and not data.clip_is_exact(prefixed)
+
+
 def test_a_tokenizer_that_cutting_could_change_encodes_documents_whole_or_says_so(monkeypatch, capsys):
     """A normalizer could change a token at a cut: documents up to 2 x PIECE_CHARS characters
     are encoded whole; a longer one is cut before whitespace all the same (its memory stays
