@@ -365,6 +365,23 @@ def describe_shape(shape) -> str:
     return "missing" if shape is None else "(" + ", ".join(f"{n:,}" for n in shape) + ")"
 
 
+def model_shapes(config: LlamaConfig) -> dict:
+    """The name and shape of every weight of a model of this config, on the meta device
+    (nothing allocated: a config may ask for a model no memory holds)."""
+    with torch.device("meta"):
+        return {name: t.shape for name, t in LlamaForPretraining(config).state_dict().items()}
+
+
+def shape_difference(saved: dict, expected: dict) -> tuple[str, str, str] | None:
+    """The first weight whose shape differs (or that one side lacks): (name, its shape in
+    `saved`, in `expected`), or None when the two agree."""
+    if saved == expected:
+        return None
+    name = next((k for k in expected if saved.get(k) != expected[k]), None) or next(k for k in saved
+                                                                                 if k not in expected)
+    return name, describe_shape(saved.get(name)), describe_shape(expected.get(name))
+
+
 def init_source(path: str) -> tuple[Path, Path]:
     """--init-from PATH: (the output folder whose config.json and tokenizer.json go with the
     weights, the weights: a .pt file or a train_fsdp.py checkpoint folder). An output folder
@@ -416,8 +433,7 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
         config = LlamaConfig(**json.loads((out / CONFIG).read_text()))
     except (ValueError, TypeError) as e:
         raise UsageError(f"cannot read {out / CONFIG}: {first_line(e)}") from None
-    with torch.device("meta"):  # names and shapes only: config.json may ask for a model no memory holds
-        expected = {name: t.shape for name, t in LlamaForPretraining(config).state_dict().items()}
+    expected = model_shapes(config)
     ckpt = None
     if (out / MODEL).is_file():
         state = load_pt(out / MODEL, "weights")
@@ -436,15 +452,14 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
              f"step {ckpt['step']}")
         state = ckpt["model"]
         saved = _shapes(state)
-    if saved != expected:  # before the model is allocated
-        name = next((k for k in expected if saved.get(k) != expected[k]), None) or next(k for k in saved
-                                                                                     if k not in expected)
-        raise UsageError(f"the weights in {out} do not fit its {CONFIG}: {name} is "
-                         f"{describe_shape(saved.get(name))} in the weights, {describe_shape(expected.get(name))} "
-                         f"by {CONFIG}")
+    if differ := shape_difference(saved, expected):  # before the model is allocated
+        name, there, here = differ
+        raise UsageError(f"the weights in {out} do not fit its {CONFIG}: {name} is {there} in the weights, "
+                         f"{here} by {CONFIG}")
     model = LlamaForPretraining(config)
-    if ckpt is not None and ckpt.get("sharded"):
-        state = sharded_checkpointing.gathered_model(ckpt, model)
+    if ckpt is not None and ckpt.get("sharded"):  # DCP reshards every tensor to this one process
+        sharded_checkpointing.load_model(Path(ckpt["path"]), model)
+        return model.eval(), load_tokenizer(out / TOKENIZER)
     try:
         model.load_state_dict(state)
     except (RuntimeError, AttributeError) as e:

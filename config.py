@@ -137,7 +137,9 @@ def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConf
         if cfg.tokenizer or cfg.vocab_size is not None:
             raise UsageError("--init-from brings its own tokenizer (the tokenizer.json beside its weights): leave "
                              "--tokenizer and --vocab-size out")
-        out, _ = checkpointing.init_source(cfg.init_from)
+        out, weights = checkpointing.init_source(cfg.init_from)
+        # resolved once: every later step reads these weights, even if the source run saves again
+        cfg.init_from = str(weights)
         cfg.tokenizer = str(out / checkpointing.TOKENIZER)  # the ids the weights were trained on
     for key, value in TRAINING_PRESETS[cfg.model].items():
         if getattr(cfg, key) is None and not (key == "vocab_size" and cfg.tokenizer):

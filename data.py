@@ -9,6 +9,7 @@ read the cache.
 """
 
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -247,9 +248,10 @@ class PaddedSequenceDataset(torch.utils.data.Dataset):
     def __len__(self):
         return len(self.rows)
 
+    @functools.cached_property
     def facts(self) -> dict:
         """What an epoch trains on: documents, windows, tokens (targets, not padding), and the
-        share of positions that are padding."""
+        share of positions that are padding. Counted once, from the Arrow column."""
         lengths = pyarrow.compute.list_value_length(self.rows.with_format("arrow")[:]["input_ids"])
         tokens = pyarrow.compute.sum(lengths).as_py() - len(self.rows)  # each window predicts all but its first
         return {"documents": self.documents, "windows": len(self.rows), "tokens_per_epoch": tokens,

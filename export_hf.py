@@ -30,12 +30,6 @@ from errors import UsageError
 from model import LlamaForPretraining
 
 
-def context(model: LlamaForPretraining) -> int:
-    """The longest input the model handles as trained: its run's --seq-len (RoPE would reach
-    further, to positions it never saw)."""
-    return model.config.trained_seq_len or model.config.max_position_embeddings
-
-
 def hf_config(model: LlamaForPretraining, tokenizer: Tokenizer) -> dict:
     """transformers' LlamaConfig for our model, whose max_position_embeddings is the context
     it was trained at."""
@@ -45,7 +39,7 @@ def hf_config(model: LlamaForPretraining, tokenizer: Tokenizer) -> dict:
         "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-        "max_position_embeddings": context(model), "rms_norm_eps": c.rms_norm_eps,
+        "max_position_embeddings": c.trained_context, "rms_norm_eps": c.rms_norm_eps,
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
         # transformers 5 reads rope_parameters, 4.x reads rope_theta: both, for both
         "rope_theta": c.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
@@ -90,7 +84,7 @@ def export(out_dir: str, hf_dir: str):
         "config.json": hf_config(model, tokenizer),
         "generation_config.json": special_token_ids(tokenizer),  # generate() stops at [EOT]
         "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", **tokens,
-                                  "model_max_length": context(model),  # longer inputs get a warning
+                                  "model_max_length": model.config.trained_context,  # longer inputs get a warning
                                   "clean_up_tokenization_spaces": False,  # decode exactly as ours does
                                   "split_special_tokens": True},  # "[EOT]" in a text is text, as in training
         "special_tokens_map.json": tokens,

@@ -95,7 +95,7 @@ def main(argv=None):
     text_ids = text_only(tokenizer).encode(args.prompt, add_special_tokens=False).ids
     prompt_ids = [tokenizer.token_to_id(BOT)] + text_ids
     room = model.config.max_position_embeddings  # RoPE's table
-    trained = model.config.trained_seq_len or room  # the run's --seq-len
+    trained = model.config.trained_context  # the run's --seq-len
     max_new_tokens = args.max_new_tokens or max(1, min(200, trained - len(prompt_ids)))  # within what it saw
     if len(prompt_ids) + max_new_tokens > room:
         raise UsageError(f"the prompt ({len(prompt_ids)} tokens) plus --max-new-tokens {max_new_tokens} "

@@ -51,6 +51,11 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def trained_context(self) -> int:
+        """The longest input the model handles as trained: trained_seq_len where it is known."""
+        return self.trained_seq_len or self.max_position_embeddings
+
 
 # `article`: the article's full-size model (README.md names it) (about 180M parameters with a 50K vocabulary).
 # `tiny`: the CPU demo, small enough to train visibly in a few minutes on two cores.
@@ -260,6 +265,9 @@ class LlamaLMHead(nn.Linear):
         return chunked_loss.chunked_loss(h, self.weight, targets, chunk, dtype)  # never all the logits at once
 
 
+INIT_STD = 0.02  # every matrix and embedding starts from N(0, INIT_STD); the RMSNorm gains from ones
+
+
 class LlamaForPretraining(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -275,7 +283,7 @@ class LlamaForPretraining(nn.Module):
     @staticmethod
     def _init_weights(module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
 
     def initial_weights(self, seed: int):
         """(parameter, its initial value) for every parameter, one whole tensor at a time, drawn
@@ -285,7 +293,7 @@ class LlamaForPretraining(nn.Module):
         generator = torch.Generator().manual_seed(seed)
         for module in self.modules():  # a fixed order: the module tree's
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                yield module.weight, torch.empty(module.weight.shape).normal_(0.0, 0.02, generator=generator)
+                yield module.weight, torch.empty(module.weight.shape).normal_(0.0, INIT_STD, generator=generator)
             elif isinstance(module, LlamaRMSNorm):
                 yield module.weight, torch.ones(module.weight.shape)
 

@@ -242,20 +242,10 @@ def model_shapes(ckpt: dict) -> dict:
             if name.startswith("model.")}
 
 
-def gathered_model(ckpt: dict, model) -> dict:
-    """The whole model's weights from a sharded checkpoint, in one process without a process
-    group (generate.py, export_hf.py on an unfinished run): DCP reshards every tensor to a
-    world of one. `model` gives the names and shapes; the optimizer's shards are not read."""
-    state = {"model": model.state_dict()}
-    with warnings.catch_warnings():  # DCP warns that it loads in a single process: what we ask of it
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, storage_reader=_SafeReader(Path(ckpt["path"])), planner=_SafePlanner(), no_dist=True)
-    return state["model"]
-
-
 def load_model(path: Path, model) -> None:
     """The weights alone (no optimizer state) of a sharded checkpoint folder, into a model
-    sharded in any way or whole: --init-from. DCP reads each rank's part of every tensor."""
+    sharded in any way or whole: DCP reads each rank's part of every tensor (the whole of it
+    in one process without a process group: generate.py, export_hf.py, an --init-from)."""
     state = {"model": get_model_state_dict(model)}
     with warnings.catch_warnings():  # in one process without a process group, DCP warns that it is
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)

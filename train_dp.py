@@ -60,7 +60,7 @@ def main():
     loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
                         pin_memory=device.type == "cuda")
     val_loader = training.val_loader(val_ds, rank, world_size, micro_batch)
-    metrics = training.MetricsLog(cfg.out_dir, enabled=is_main, resume_step=step, facts=train_ds.facts())
+    metrics = training.MetricsLog(cfg.out_dir, enabled=is_main, resume_step=step, facts=train_ds.facts)
     writer = checkpointing.CheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
     stop = training.StopSignal()  # SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
     if is_main:

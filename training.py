@@ -195,8 +195,8 @@ def init_weights(model: LlamaForPretraining, cfg: TrainConfig):
     # every rank holds the same whole value: from torch 2.7 each keeps its part with no
     # communication (src_data_rank=None); torch 2.6 scatters rank 0's, the same values
     local = {"src_data_rank": None} if "src_data_rank" in inspect.signature(distribute_tensor).parameters else {}
-    if cfg.init_from:
-        _, weights = checkpointing.init_source(cfg.init_from)
+    if cfg.init_from:  # the weights themselves (config.py resolved a folder to its newest)
+        weights = Path(cfg.init_from)
         if weights.is_dir():  # a train_fsdp.py checkpoint: DCP reads each rank's part
             import sharded_checkpointing
             sharded_checkpointing.load_model(weights, model)
@@ -217,14 +217,10 @@ def init_weights(model: LlamaForPretraining, cfg: TrainConfig):
 def check_init_from(cfg: TrainConfig, vocab_size: int):
     """--init-from's weights must have the shapes of the model this run builds: a clear line
     before anything is allocated or written, not a failed copy."""
-    _, weights = checkpointing.init_source(cfg.init_from)
-    saved = checkpointing.weight_shapes(weights)
-    with torch.device("meta"):
-        model = LlamaForPretraining(LlamaConfig(vocab_size=vocab_size, **PRESETS[cfg.model]))
-    expected = {name: t.shape for name, t in model.state_dict().items()}
-    if saved != expected:
-        name = next((k for k in expected if saved.get(k) != expected[k]), None) or next(iter(saved.keys() - expected))
-        there, here = (checkpointing.describe_shape(x.get(name)) for x in (saved, expected))
+    saved = checkpointing.weight_shapes(Path(cfg.init_from))
+    expected = checkpointing.model_shapes(LlamaConfig(vocab_size=vocab_size, **PRESETS[cfg.model]))
+    if differ := checkpointing.shape_difference(saved, expected):
+        name, there, here = differ
         raise UsageError(f"--init-from {cfg.init_from}: its weights do not fit --model {cfg.model} with its "
                          f"{vocab_size:,}-token vocabulary: {name} is {there} there, {here} here")
 
@@ -475,7 +471,7 @@ def describe(model: LlamaForPretraining, train_ds, steps_per_epoch: int, total_s
     ddp = torch.distributed.is_initialized()
     ranks = f" x {torch.distributed.get_world_size()} ranks" if ddp else ""
     backend = f" ({torch.distributed.get_backend()})" if ddp else ""
-    facts = train_ds.facts()
+    facts = train_ds.facts
     return (f"{model.num_parameters() / 1e6:.1f}M parameters | {facts['documents']:,} documents: all their "
             f"{facts['tokens_per_epoch']:,} tokens an epoch, in {facts['windows']:,} windows of {cfg.seq_len} "
             f"({facts['padding']:.1%} padding) | {steps_per_epoch} steps per epoch | {total_steps} steps | "
