@@ -21,6 +21,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from launcher import usable_cores  # noqa: E402
 
 # Flags for a run that takes seconds: the tiny model on a small corpus with a tiny BPE.
 # fp32 whatever the CPU: the exactness guarantees are fp32 guarantees (bf16 has its own tests).
@@ -42,6 +43,13 @@ _HF_HOME = tempfile.mkdtemp(prefix="hf_home_")
 atexit.register(shutil.rmtree, _HF_HOME, ignore_errors=True)
 os.environ.update(HF_HOME=_HF_HOME, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                   TOKENIZERS_PARALLELISM="false", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+# torch.compile keeps its generated kernels in an on-disk cache that ATEN_CPU_CAPABILITY does
+# not key: on one machine, a suite run as another CPU (ATEN_CPU_CAPABILITY=avx2) after a run
+# as itself reused the other's kernels and trained NaNs (and the reverse corrupted the heap).
+# Each capability gets a cache of its own.
+if "ATEN_CPU_CAPABILITY" in os.environ:
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{os.getuid()}_{os.environ['ATEN_CPU_CAPABILITY']}"))
 
 
 # Bitwise equality of two runs holds only at the same thread count: on some CPUs (seen on an
@@ -53,8 +61,7 @@ THREADS = {"OMP_NUM_THREADS": "1"}
 # as torchrun gives its workers theirs: two workers of two threads each on two cores made
 # OpenMP's threads wait on each other, and bench.py's in-process rows ran 3x slower.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    torch.set_num_threads(max(1, usable_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def launch_env(extra: dict | None = None) -> dict:
