@@ -382,6 +382,11 @@ def test_a_sharded_save_builds_no_cuda_loader_in_dcps_writer_thread(world_of_one
                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
     model = train_fsdp.shard(LlamaForPretraining(config), init_device_mesh("cpu", (1,)), torch.float32)
     optimizer = torch.optim.AdamW(model.parameters())
+    # one real step first: with no state yet, the save would take an AdamW step itself, and a
+    # CUDA build of torch on a machine without a GPU, told CUDA is there, would look for one
+    ids = torch.randint(0, 97, (1, 8))
+    model(ids, ids)[0].sum().backward()
+    optimizer.step()
     writer = sharded_checkpointing.ShardedCheckpointWriter(str(tmp_path), keep=2, group=world_of_one)
     monkeypatch.setattr(filesystem._OverlappingCpuLoader, "__init__", spy)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
