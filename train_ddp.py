@@ -6,7 +6,7 @@
 DDP runs one process per device: each reads its share of every global batch, all-reduces
 gradients bucket by bucket while backward still runs, and takes the same optimizer step.
 Nothing is copied between steps, and no GPU 0 or GIL is a bottleneck.
-Read `diff train_dp.py train_ddp.py`: it shows exactly what DDP changes.
+Each rung is its diff with the one before: `diff train_dp.py train_ddp.py`, then train_fsdp.py.
 """
 
 import contextlib
@@ -48,11 +48,11 @@ def main():
     backend = cfg.backend or ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(backend, store=launcher.job_store(cfg.timeout_minutes), rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=cfg.timeout_minutes))  # join the job's processes
-    prep, control = launcher.side_groups(backend, cfg.timeout_minutes, cfg.data_timeout_minutes)
+    prep, control = launcher.side_groups(backend, cfg.timeout_minutes, cfg.data_timeout_minutes)  # real jobs: see there
 
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
-    # local rank 0 of each node prepares the data first; the others then read its cache
-    # a model too big for this device's memory is refused once the vocabulary is known
+    # real jobs: local rank 0 of each node prepares the data first; the others then read its cache
+    # real jobs: a model too big for this device's memory is refused once the vocabulary is known
     model_fits = memory.Check(cfg, micro_batch, dtype, device)
     ckpt, tokenizer, train_ds, val_ds = training.prepare_data(cfg, launcher.InTurns(prep, local_rank),
                                                               model_fits=model_fits)
@@ -79,7 +79,7 @@ def main():
     val_loader = training.val_loader(val_ds, rank, world_size, micro_batch)
     metrics = training.MetricsLog(cfg.out_dir, enabled=is_main, resume_step=step, facts=train_ds.facts)
     writer = checkpointing.CheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
-    stop = training.StopSignal()  # SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
+    stop = training.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
     if is_main:
         print(training.describe(raw_model, train_ds, steps_per_epoch, total_steps, micro_batch, cfg, device, dtype))
 
@@ -123,12 +123,12 @@ def main():
         step += 1
         speedometer.step()
         pbar.update()
-        preempted = launcher.agreed(stop.requested, control)  # every rank stops after the same step
+        preempted = launcher.agreed(stop.requested, control)  # real jobs: every rank stops after the same step
 
         if step % cfg.log_every == 0 or step == last_step:
             dist.all_reduce(train_totals[:1])  # loss sums of every rank (the counts are global already)
             loss = (train_totals[0] / train_totals[1]).item()  # token-weighted mean since last log
-            training.stop_if_diverged(step, cfg, loss=loss)  # before anything is logged
+            training.stop_if_diverged(step, cfg, loss=loss)  # real jobs: before anything is logged
             speed = speedometer.report(nonpad_tokens=train_totals[1].item())
             metrics.write(step=step, epoch=epoch, loss=loss, lr=lr, **speed)
             pbar.set_postfix(training.progress(loss, speed))
@@ -136,12 +136,11 @@ def main():
         with speedometer.paused():  # saving and evaluation do not count as training time
             saving = step % cfg.save_every == 0 or step == last_step or preempted
             if saving:
-                training.stop_if_diverged(step, cfg, model=raw_model)  # on every rank, before saving
+                training.stop_if_diverged(step, cfg, model=raw_model)  # real jobs: on every rank, before saving
             if saving and is_main:
                 # One writer, and no collective or DDP call inside this branch. The write runs in
                 # a background thread, so the other ranks never wait in a collective for the disk.
-                state = checkpointing.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, train_ds)
-                writer.save(state)
+                writer.save(checkpointing.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, train_ds))
             if (step % cfg.eval_every == 0 or step == last_step) and not preempted:
                 totals = training.evaluate(raw_model, val_loader, device)  # the plain module: no wrapper
                 dist.all_reduce(totals)  # [loss sum, targets] over every rank's shard
@@ -155,9 +154,11 @@ def main():
     pbar.close()
     writer.wait()  # the last checkpoint is on disk before we go on
 
+    if step == total_steps:  # the whole model's weights, for generate.py and export_hf.py
+        full_state = raw_model.state_dict()  # raw_model, not model: no `module.` prefix in the keys
     if is_main:
-        if step == total_steps:  # raw_model, not model: no `module.` prefix in the keys
-            checkpointing.atomic_save(raw_model.state_dict(), Path(cfg.out_dir) / checkpointing.MODEL)
+        if step == total_steps:
+            checkpointing.atomic_save(full_state, Path(cfg.out_dir) / checkpointing.MODEL)
         trained = speedometer.trained + round(train_totals[1].item())  # and the steps since the last log
         print(training.summary(cfg, step, total_steps, first_step, trained, time.perf_counter() - started, loss,
                                val_loss, preempted, writer.checkpoint_at(step)))
@@ -165,4 +166,4 @@ def main():
 
 
 if __name__ == "__main__":
-    launcher.exit_on_usage_error(main)
+    launcher.exit_on_usage_error(main)  # real jobs: bad input is one line on stderr and exit status 2

@@ -6,7 +6,7 @@
 nn.DataParallel runs everything from one Python process: every forward it copies the model
 from GPU 0 to each GPU, splits the batch, runs the replicas in threads, and gathers their
 outputs and gradients back on GPU 0. With one device there is nothing to split.
-Read `diff train_dp.py train_ddp.py`: it shows exactly what DDP changes.
+Each rung is its diff with the one before: `diff train_dp.py train_ddp.py`, then train_fsdp.py.
 """
 
 import time
@@ -38,7 +38,7 @@ def main():
     dtype = training.compute_dtype(cfg.dtype, device)  # matmuls in dtype; weights and loss stay fp32
 
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
-    # a model too big for this device's memory is refused once the vocabulary is known
+    # real jobs: a model too big for this device's memory is refused once the vocabulary is known
     model_fits = memory.Check(cfg, micro_batch, dtype, device)
     ckpt, tokenizer, train_ds, val_ds = training.prepare_data(cfg, model_fits=model_fits)
     steps_per_epoch = len(train_ds) // cfg.batch_size  # full global batches only
@@ -62,7 +62,7 @@ def main():
     val_loader = training.val_loader(val_ds, rank, world_size, micro_batch)
     metrics = training.MetricsLog(cfg.out_dir, enabled=is_main, resume_step=step, facts=train_ds.facts)
     writer = checkpointing.CheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
-    stop = training.StopSignal()  # SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
+    stop = training.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
     if is_main:
         print(training.describe(raw_model, train_ds, steps_per_epoch, total_steps, micro_batch, cfg, device, dtype))
 
@@ -104,7 +104,7 @@ def main():
 
         if step % cfg.log_every == 0 or step == last_step:
             loss = (train_totals[0] / train_totals[1]).item()  # token-weighted mean since last log
-            training.stop_if_diverged(step, cfg, loss=loss)  # before anything is logged
+            training.stop_if_diverged(step, cfg, loss=loss)  # real jobs: before anything is logged
             speed = speedometer.report(nonpad_tokens=train_totals[1].item())
             metrics.write(step=step, epoch=epoch, loss=loss, lr=lr, **speed)
             pbar.set_postfix(training.progress(loss, speed))
@@ -112,10 +112,9 @@ def main():
         with speedometer.paused():  # saving and evaluation do not count as training time
             saving = step % cfg.save_every == 0 or step == last_step or preempted
             if saving:
-                training.stop_if_diverged(step, cfg, model=raw_model)  # on every rank, before saving
+                training.stop_if_diverged(step, cfg, model=raw_model)  # real jobs: on every rank, before saving
             if saving and is_main:
-                state = checkpointing.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, train_ds)
-                writer.save(state)
+                writer.save(checkpointing.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, train_ds))
             if (step % cfg.eval_every == 0 or step == last_step) and not preempted:
                 totals = training.evaluate(raw_model, val_loader, device)  # the plain module: no wrapper
                 val_loss = (totals[0] / totals[1]).item()
@@ -128,13 +127,15 @@ def main():
     pbar.close()
     writer.wait()  # the last checkpoint is on disk before we go on
 
+    if step == total_steps:  # the whole model's weights, for generate.py and export_hf.py
+        full_state = raw_model.state_dict()  # raw_model, not model: no `module.` prefix in the keys
     if is_main:
-        if step == total_steps:  # raw_model, not model: no `module.` prefix in the keys
-            checkpointing.atomic_save(raw_model.state_dict(), Path(cfg.out_dir) / checkpointing.MODEL)
+        if step == total_steps:
+            checkpointing.atomic_save(full_state, Path(cfg.out_dir) / checkpointing.MODEL)
         trained = speedometer.trained + round(train_totals[1].item())  # and the steps since the last log
         print(training.summary(cfg, step, total_steps, first_step, trained, time.perf_counter() - started, loss,
                                val_loss, preempted, writer.checkpoint_at(step)))
 
 
 if __name__ == "__main__":
-    launcher.exit_on_usage_error(main)
+    launcher.exit_on_usage_error(main)  # real jobs: bad input is one line on stderr and exit status 2

@@ -3,11 +3,10 @@
     torchrun --standalone --nproc_per_node=4 train_fsdp.py     # 4 GPUs (or 4 CPU processes)
     python train_fsdp.py                                        # a world of one process
 
-DDP keeps the whole weights, gradients and AdamW state on every GPU: 16 bytes per parameter.
-FSDP keeps 1/N of each on each of N ranks, gathers a layer's weights only while that layer
-runs, and reduce-scatters its gradients: each rank gets the part it updates. The price is
-an all-gather per layer in forward and in backward. Checkpoints are sharded too.
-Read `diff train_ddp.py train_fsdp.py`: it shows exactly what FSDP changes.
+DDP keeps the whole weights, gradients and AdamW state (16 bytes a parameter) on every GPU;
+FSDP keeps 1/N of each on each of N ranks, all-gathers a layer's weights only while it runs
+(forward, then again in backward), and reduce-scatters its gradients. Checkpoints are sharded.
+Each rung is its diff with the one before: `diff train_dp.py train_ddp.py`, then train_fsdp.py.
 """
 
 import datetime
@@ -31,18 +30,14 @@ from data import ResumableDistributedSampler
 from model import IGNORE_INDEX
 
 
-def shard(model, mesh, dtype: torch.dtype, compile_layers: bool = False):
+def shard(model, mesh, dtype: torch.dtype):
     """FSDP: shard the model in place, in groups gathered whole only while they run: each layer
     (gathered again for backward), the embedding, the final norm with the LM head (kept into
     backward, which starts with them: bench_grouping.py). MixedPrecisionPolicy replaces
     autocast: gathered in `dtype` to compute, gradients reduced in fp32 into fp32 shards."""
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in model.base_model.layers:
-        if compile_layers:
-            layer.compile()  # each layer, before it is sharded: the state_dict keeps its keys
         fully_shard(layer, mesh=mesh, mp_policy=policy)
-    if compile_layers:
-        model.lm_head.compile()  # and the LM head with its loss, as the whole model is under DDP
     fully_shard(model.base_model.embed_tokens, mesh=mesh, mp_policy=policy)
     fully_shard([model.base_model.norm, model.lm_head], mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     return fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: starts each forward's gathers
@@ -67,15 +62,15 @@ def main():
     backend = cfg.backend or ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(backend, store=launcher.job_store(cfg.timeout_minutes), rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=cfg.timeout_minutes))  # join the job's processes
-    prep, control = launcher.side_groups(backend, cfg.timeout_minutes, cfg.data_timeout_minutes)
+    prep, control = launcher.side_groups(backend, cfg.timeout_minutes, cfg.data_timeout_minutes)  # real jobs: see there
     mesh = init_device_mesh(device.type, (world_size,))  # FSDP: the ranks that share each tensor
 
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
-    # local rank 0 of each node prepares the data first; the others then read its cache
-    # a model too big for this device's memory is refused once the vocabulary is known
+    # real jobs: local rank 0 of each node prepares the data first; the others then read its cache
+    # real jobs: a model too big for this device's memory is refused once the vocabulary is known
     model_fits = memory.Check(cfg, micro_batch, dtype, device, shards=world_size)  # FSDP: 1/world_size each
-    ckpt, tokenizer, train_ds, val_ds = training.prepare_data(cfg, launcher.InTurns(prep, local_rank), sharded=True,
-                                                              model_fits=model_fits)
+    ckpt, tokenizer, train_ds, val_ds = training.prepare_data(cfg, launcher.InTurns(prep, local_rank),
+                                                              model_fits=model_fits, sharded=True)
     steps_per_epoch = len(train_ds) // cfg.batch_size  # full global batches only
     total_steps = training.total_steps(cfg, steps_per_epoch)
 
@@ -84,10 +79,13 @@ def main():
     # alone; each whole weight is drawn as one process draws it, and each rank keeps its shard.
     # float32, not dtype: under FSDP, MixedPrecisionPolicy (in shard) sets the compute dtype, not autocast
     raw_model = training.build_model(cfg, tokenizer.get_vocab_size(), torch.float32, device="meta")
-    shard(raw_model, mesh, dtype, cfg.compile)  # in place
+    if cfg.compile:  # FSDP: each layer and the LM head (with its loss) apart, before they are sharded
+        for block in [*raw_model.base_model.layers, raw_model.lm_head]:
+            block.compile()  # in place: the state_dict keeps its keys (no `_orig_mod.` prefix)
+    shard(raw_model, mesh, dtype)  # in place
     raw_model.to_empty(device=device)
     training.init_weights(raw_model, cfg)  # FSDP: each rank now holds 1/world_size of every weight
-    optimizer, scheduler = training.make_optimizer(raw_model, cfg, total_steps)  # FSDP: on this rank's shards
+    optimizer, scheduler = training.make_optimizer(raw_model, cfg, total_steps)
     step = training.resume(ckpt, cfg, raw_model, optimizer, scheduler, steps_per_epoch)  # 0 for a new run
     if is_main:
         checkpointing.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
@@ -101,7 +99,7 @@ def main():
     val_loader = training.val_loader(val_ds, rank, world_size, micro_batch, same_length=True)  # FSDP: see there
     metrics = training.MetricsLog(cfg.out_dir, enabled=is_main, resume_step=step, facts=train_ds.facts)
     writer = sharded_checkpointing.ShardedCheckpointWriter(cfg.out_dir, cfg.keep_checkpoints, prep)  # FSDP: all ranks
-    stop = training.StopSignal()  # SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
+    stop = training.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
     if is_main:
         print(training.describe(raw_model, train_ds, steps_per_epoch, total_steps, micro_batch, cfg, device, dtype))
 
@@ -125,16 +123,16 @@ def main():
         n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
         dist.all_reduce(n_tokens)  # count the targets of every rank's share of the step
         for x, y in micro_batches:
-            # FSDP: every micro-step reduce-scatters its gradients into the shards (torchtitan's
-            # choice). Syncing only the last would save traffic but hold unsharded gradients.
+            # FSDP: no no_sync. Every micro-step reduce-scatters into the shards (torchtitan's choice):
+            # syncing only the last would save traffic but hold whole, unsharded gradients till then.
             loss_sum = model(x, y)[0].sum()
-            # FSDP averages gradients over ranks; times world_size makes that a sum, as in DDP
-            (loss_sum * world_size / n_tokens).backward()
+            (loss_sum * world_size / n_tokens).backward()  # FSDP averages over ranks too: times world_size, a sum
             train_totals[0] += loss_sum.detach()
         train_totals[1] += n_tokens
 
         # ---- the optimizer step: clip, step, next LR, clear gradients ----
-        if cfg.grad_clip:  # FSDP: on the shards; the norm's squares are summed over the ranks first
+        # FSDP: clipping works on the shards; the norm's squares are summed over the ranks first
+        if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -143,12 +141,12 @@ def main():
         step += 1
         speedometer.step()
         pbar.update()
-        preempted = launcher.agreed(stop.requested, control)  # every rank stops after the same step
+        preempted = launcher.agreed(stop.requested, control)  # real jobs: every rank stops after the same step
 
         if step % cfg.log_every == 0 or step == last_step:
             dist.all_reduce(train_totals[:1])  # loss sums of every rank (the counts are global already)
             loss = (train_totals[0] / train_totals[1]).item()  # token-weighted mean since last log
-            training.stop_if_diverged(step, cfg, loss=loss)  # before anything is logged
+            training.stop_if_diverged(step, cfg, loss=loss)  # real jobs: before anything is logged
             speed = speedometer.report(nonpad_tokens=train_totals[1].item())
             metrics.write(step=step, epoch=epoch, loss=loss, lr=lr, **speed)
             pbar.set_postfix(training.progress(loss, speed))
@@ -156,7 +154,8 @@ def main():
         with speedometer.paused():  # saving and evaluation do not count as training time
             saving = step % cfg.save_every == 0 or step == last_step or preempted
             if saving:
-                training.stop_if_diverged(step, cfg, model=raw_model)  # every rank: FSDP all-reduces its check
+                # FSDP: a check of sharded weights all-reduces, so every rank must run it (it does)
+                training.stop_if_diverged(step, cfg, model=raw_model)  # real jobs: on every rank, before saving
                 # FSDP: every rank writes its own shards, from a background thread after a copy in
                 # memory; no rank gathers the whole state
                 writer.save(raw_model, optimizer, checkpointing.run_state(raw_model, scheduler, cfg, step, train_ds))
@@ -173,10 +172,10 @@ def main():
     pbar.close()
     writer.wait()  # the last checkpoint is on disk before we go on
 
-    if step == total_steps:  # FSDP: gathered from every rank's shards into rank 0's memory: a collective,
-        full_state = sharded_checkpointing.full_model_state(raw_model)  # so every rank calls it, not rank 0 alone
+    if step == total_steps:  # the whole model's weights, for generate.py and export_hf.py
+        full_state = sharded_checkpointing.full_model_state(raw_model)  # FSDP: a gather, so every rank calls it
     if is_main:
-        if step == total_steps:  # plain keys, as the other scripts write them
+        if step == total_steps:
             checkpointing.atomic_save(full_state, Path(cfg.out_dir) / checkpointing.MODEL)
         trained = speedometer.trained + round(train_totals[1].item())  # and the steps since the last log
         print(training.summary(cfg, step, total_steps, first_step, trained, time.perf_counter() - started, loss,
@@ -185,4 +184,4 @@ def main():
 
 
 if __name__ == "__main__":
-    launcher.exit_on_usage_error(main)
+    launcher.exit_on_usage_error(main)  # real jobs: bad input is one line on stderr and exit status 2

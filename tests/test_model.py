@@ -37,7 +37,7 @@ def test_parameter_names_follow_the_llama_layout_and_rope_is_not_saved(llama):
     assert not [k for k in keys if k.endswith("bias")]
 
 
-def test_article_preset_is_the_published_180M_model():
+def test_article_preset_is_the_articles_180M_model():
     article = LlamaForPretraining(LlamaConfig(vocab_size=50000, **PRESETS["article"]))
     assert 179e6 < article.num_parameters() < 181e6
     assert article.base_model.layers[0].self_attn.k_proj.weight.shape == (3 * 64, 768)  # 3 kv heads
@@ -69,7 +69,7 @@ def test_is_causal_equals_an_explicit_causal_and_padding_mask_on_real_tokens(lla
     sdpa = F.scaled_dot_product_attention
 
     def with_explicit_mask(q, k, v, is_causal=False, enable_gqa=False):
-        # what the published code builds: causal AND key-is-not-padding, as a float mask
+        # what the article's code builds: causal AND key-is-not-padding, as a float mask
         allowed = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & real[:, None, None, :]
         mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
         return sdpa(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
