@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 import launcher
+import metrics
 import training
 from model import IGNORE_INDEX, PRESETS, LlamaConfig, LlamaForPretraining
 
@@ -345,7 +346,7 @@ def main(argv=None):
     with torch.device("meta"):  # the parameter shapes, without allocating the weights
         shapes_only = LlamaForPretraining(model_config(args))
     flops = shapes_only.flops_per_token(args.seq_len)
-    peak = training.peak_tflops(device, dtype)
+    peak = metrics.peak_tflops(device, dtype)
     best = max(row["steps_per_s"] for _, row in ablation)
     if peak:
         mfu = flops * best * args.batch_size * args.seq_len / 1e12 / peak

@@ -26,7 +26,8 @@ from model import LlamaConfig, LlamaForPretraining
 
 CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS = (
     "checkpoint.pt", "model.pt", "tokenizer.json", "config.json", "metrics.jsonl")
-RUN_FILES = (CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS)  # plus checkpoint-<step>.pt
+TENSORBOARD, WANDB_RUN = "tensorboard", "wandb-run.txt"  # --tensorboard's event files, --wandb's run id
+RUN_FILES = (CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS, TENSORBOARD, WANDB_RUN)  # plus checkpoint-<step>.pt
 NUMBERED = re.compile(r"checkpoint-(\d{8,})\.pt")  # checkpoint-00000400.pt: the step, 8 digits or more
 NUMBERED_DIR = re.compile(r"checkpoint-(\d{8,})")  # checkpoint-00000400/: a sharded one (train_fsdp.py)
 

@@ -5,6 +5,7 @@ the presets of --model; and the checks that run before anything else does.
 
 import argparse
 import dataclasses
+import importlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,11 @@ class TrainConfig:
     eval_every: int | None = flag(None, "evaluate on the held-out split every N steps (and at the end)", minimum=1,
                                   type=int)
     log_every: int = flag(10, "log the loss every N steps", minimum=1)
+    tensorboard: bool = flag(False, "also write every logged number to OUT/tensorboard/, for `tensorboard --logdir "
+                             "OUT` (needs the tensorboard package)")
+    wandb: str | None = flag(None, "also log to this Weights & Biases project (needs the wandb package; "
+                             "WANDB_MODE=offline keeps the run on disk)", type=str)
+    wandb_run: str | None = flag(None, "the W&B run's name (default: one W&B picks)", type=str)
     resume: bool = flag(False, "continue the run in --out-dir from its checkpoint.pt")
     init_from: str | None = flag(None, "start a new run from these weights: an output folder (its model.pt, else "
                                  "its newest checkpoint), a .pt file of one, or a train_fsdp.py checkpoint folder; "
@@ -165,6 +171,14 @@ def validate(cfg: TrainConfig):
     if cfg.backend == "nccl" and (cfg.device == "cpu" or not torch.cuda.is_available()):
         raise UsageError("--backend nccl needs CUDA GPUs, and this run has none (none visible, or --device cpu): "
                          "leave --backend out (gloo on CPUs)")
+    if cfg.wandb_run and not cfg.wandb:
+        raise UsageError("--wandb-run names a W&B run: give the project too, with --wandb PROJECT")
+    # optional packages, imported only when asked for; then before anything is written
+    for package in [name for name, wanted in [("tensorboard", cfg.tensorboard), ("wandb", cfg.wandb)] if wanted]:
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            raise UsageError(f"--{package} needs the {package} package: pip install {package}") from None
     corpus.check_dataset_flags(cfg.dataset, cfg.dataset_config, cfg.split)
     checkpointing.check_writable(cfg.out_dir)
     dataset = Path(cfg.dataset).expanduser()

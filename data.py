@@ -249,13 +249,28 @@ class PaddedSequenceDataset(torch.utils.data.Dataset):
         return len(self.rows)
 
     @functools.cached_property
+    def targets(self) -> np.ndarray:
+        """The real targets of each window: all its tokens but the first. Counted once, from the Arrow column."""
+        return pyarrow.compute.list_value_length(self.rows.with_format("arrow")[:]["input_ids"]).to_numpy() - 1
+
+    @functools.cached_property
     def facts(self) -> dict:
         """What an epoch trains on: documents, windows, tokens (targets, not padding), and the
-        share of positions that are padding. Counted once, from the Arrow column."""
-        lengths = pyarrow.compute.list_value_length(self.rows.with_format("arrow")[:]["input_ids"])
-        tokens = pyarrow.compute.sum(lengths).as_py() - len(self.rows)  # each window predicts all but its first
+        share of positions that are padding."""
+        tokens = int(self.targets.sum())
         return {"documents": self.documents, "windows": len(self.rows), "tokens_per_epoch": tokens,
                 "padding": 1 - tokens / (len(self.rows) * self.seq_len)}
+
+    def targets_before(self, step: int, batch_size: int, seed: int) -> int:
+        """The real targets of the first `step` global batches, in the order the samplers
+        deal them: the tokens a run has seen when it resumes at `step`."""
+        steps_per_epoch = len(self) // batch_size
+        sampler, seen = ResumableRandomSampler(self, seed), 0
+        for first in range(0, step, steps_per_epoch):  # each epoch's first step
+            sampler.set_epoch(first // steps_per_epoch)
+            batches = min(step - first, steps_per_epoch)
+            seen += int(self.targets[list(itertools.islice(sampler, batches * batch_size))].sum())
+        return seen
 
     def __getitem__(self, i):
         return self.__getitems__([i])[0]

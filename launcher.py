@@ -69,7 +69,7 @@ def _finish_background_work():
             warn(f"the checkpoint being saved was not completed: {first_line(e)}")
 
 
-# A signal before training begins (training.StopSignal takes over then) ends the process at
+# A signal before training begins (StopSignal, below, takes over then) ends the process at
 # once: there is nothing to save yet. Not by the default action, though: SIGTERM's would kill
 # this process and leave the processes it started (datasets' tokenizing workers) running on
 # without it, and a shell starts a background job with SIGINT ignored. The handler raises
@@ -250,3 +250,21 @@ class InTurns:
         except RuntimeError as e:
             raise RankError(f"rank {dist.get_rank()} stopped waiting for data preparation "
                             f"(--data-timeout-minutes): {first_line(e)}") from None
+
+
+class StopSignal:
+    """SIGTERM or SIGUSR1 (what Slurm and torchrun send before they kill a job), or Ctrl-C,
+    only sets a flag; the training loop finishes its step, saves a checkpoint and exits 0.
+    A second Ctrl-C stops at once, losing the steps since the last checkpoint."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # the next Ctrl-C interrupts
+            if is_rank0():
+                print("\nCtrl-C: saving after this step (press it again to stop at once)", file=sys.stderr)

@@ -12,19 +12,20 @@ import argparse
 from pathlib import Path
 
 import launcher
+import metrics
 import training
 from checkpointing import METRICS
 from errors import UsageError
 
 
 def read_metrics(out_dir: str) -> list[dict]:
-    """The rows of a run's metrics.jsonl (training.read_metrics: a torn last line is dropped
+    """The rows of a run's metrics.jsonl (metrics.read_metrics: a torn last line is dropped
     with a warning, other damage is an error)."""
     path = Path(out_dir) / METRICS
     if not path.is_file():
         raise UsageError(f"{out_dir} holds no {METRICS}: not an output folder of a training run")
     try:
-        rows = training.read_metrics(path)
+        rows = metrics.read_metrics(path)
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e}") from None
     if not any("loss" in row or "val_loss" in row for row in rows):  # the first row holds the run's facts

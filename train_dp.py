@@ -9,6 +9,7 @@ outputs and gradients back on GPU 0. With one device there is nothing to split.
 Each rung is its diff with the one before: `diff train_dp.py train_ddp.py`, then train_fsdp.py.
 """
 
+import math
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from tqdm import tqdm
 import checkpointing
 import launcher
 import memory
+import metrics
 import training
 from data import ResumableRandomSampler
 from errors import UsageError
@@ -60,18 +62,19 @@ def main():
     loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
                         pin_memory=device.type == "cuda")
     val_loader = training.val_loader(val_ds, rank, world_size, micro_batch)
-    metrics = training.MetricsLog(cfg.out_dir, enabled=is_main, resume_step=step, facts=train_ds.facts)
+    log = metrics.MetricsLog(cfg, enabled=is_main, resume_step=step, facts=train_ds.facts)  # and the trackers
     writer = checkpointing.CheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
-    stop = training.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
+    stop = launcher.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
     if is_main:
-        print(training.describe(raw_model, train_ds, steps_per_epoch, total_steps, micro_batch, cfg, device, dtype))
+        print(metrics.describe(raw_model, train_ds, steps_per_epoch, total_steps, micro_batch, cfg, device, dtype))
 
     # ---- training loop ----
     last_step = min(total_steps, cfg.stop_at_step or total_steps)
     train_totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, targets] since last log
     pbar = tqdm(total=total_steps, initial=step, dynamic_ncols=True, disable=not is_main)
-    peak = training.peak_tflops(device, dtype, n_devices=training.devices_in_use(model))  # for MFU
-    speedometer = training.Speedometer(cfg, raw_model.flops_per_token(cfg.seq_len), peak)
+    peak = metrics.peak_tflops(device, dtype, n_devices=metrics.devices_in_use(model))  # for MFU
+    speedometer = metrics.Speedometer(cfg, raw_model.flops_per_token(cfg.seq_len), peak, device,
+                                      tokens_seen=train_ds.targets_before(step, cfg.batch_size, cfg.seed))
     batches, preempted, started = None, False, time.perf_counter()
     first_step, loss, val_loss = step, None, None  # for the summary at the end
     while step < last_step:
@@ -80,7 +83,8 @@ def main():
             # a new epoch reshuffles; a resumed run skips the samples it has already seen
             sampler.set_epoch(epoch, start=step_in_epoch * micro_batch * cfg.grad_accum)
             batches = iter(loader)
-        micro_batches = training.next_micro_batches(batches, cfg.grad_accum, device)
+        with speedometer.waiting():  # for data_wait_fraction
+            micro_batches = training.next_micro_batches(batches, cfg.grad_accum, device)
         # Real (non-pad) targets in this whole optimizer step. Dividing each micro-batch's
         # summed loss by this count weighs every token the same, however many pads there are.
         n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
@@ -91,8 +95,8 @@ def main():
         train_totals[1] += n_tokens
 
         # ---- the optimizer step: clip, step, next LR, clear gradients ----
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        # the gradient norm before clipping, logged as grad_norm (max_norm inf: no clipping)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -104,10 +108,10 @@ def main():
 
         if step % cfg.log_every == 0 or step == last_step:
             loss = (train_totals[0] / train_totals[1]).item()  # token-weighted mean since last log
-            training.stop_if_diverged(step, cfg, loss=loss)  # real jobs: before anything is logged
-            speed = speedometer.report(nonpad_tokens=train_totals[1].item())
-            metrics.write(step=step, epoch=epoch, loss=loss, lr=lr, **speed)
-            pbar.set_postfix(training.progress(loss, speed))
+            training.stop_if_diverged(step, cfg, loss=loss, grad_norm=grad_norm.item())  # real jobs: before logging
+            row = speedometer.row(step, epoch, loss, lr, grad_norm.item(), nonpad_tokens=train_totals[1].item())
+            log.write(row)  # to metrics.jsonl, and TensorBoard and W&B if asked for
+            pbar.set_postfix(metrics.progress(row))
             train_totals.zero_()
         with speedometer.paused():  # saving and evaluation do not count as training time
             saving = step % cfg.save_every == 0 or step == last_step or preempted
@@ -119,12 +123,13 @@ def main():
                 totals = training.evaluate(raw_model, val_loader, device)  # the plain module: no wrapper
                 val_loss = (totals[0] / totals[1]).item()
                 val_bpb = training.bits_per_byte(totals[0], val_ds)  # per byte of text: comparable across tokenizers
-                metrics.write(step=step, epoch=epoch, val_loss=val_loss, val_bpb=val_bpb)
+                log.write({"step": step, "val_loss": val_loss, "val_bpb": val_bpb})
                 if is_main:  # tqdm.write prints even where the bar is disabled
                     tqdm.write(f"step {step}: val loss {val_loss:.4f} | {val_bpb:.4f} bits per byte")
         if preempted:
             break
     pbar.close()
+    log.close()
     writer.wait()  # the last checkpoint is on disk before we go on
 
     if step == total_steps:  # the whole model's weights, for generate.py and export_hf.py
@@ -133,7 +138,7 @@ def main():
         if step == total_steps:
             checkpointing.atomic_save(full_state, Path(cfg.out_dir) / checkpointing.MODEL)
         trained = speedometer.trained + round(train_totals[1].item())  # and the steps since the last log
-        print(training.summary(cfg, step, total_steps, first_step, trained, time.perf_counter() - started, loss,
+        print(metrics.summary(cfg, step, total_steps, first_step, trained, time.perf_counter() - started, loss,
                                val_loss, preempted, writer.checkpoint_at(step)))
 
 

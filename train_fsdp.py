@@ -1,7 +1,6 @@
 """Train the Llama model with FSDP2 (fully_shard): one process per GPU, launched by torchrun.
 
     torchrun --standalone --nproc_per_node=4 train_fsdp.py     # 4 GPUs (or 4 CPU processes)
-    python train_fsdp.py                                        # a world of one process
 
 DDP keeps the whole weights, gradients and AdamW state (16 bytes a parameter) on every GPU;
 FSDP keeps 1/N of each on each of N ranks, all-gathers a layer's weights only while it runs
@@ -10,6 +9,7 @@ Each rung is its diff with the one before: `diff train_dp.py train_ddp.py`, then
 """
 
 import datetime
+import math
 import os
 import time
 from pathlib import Path
@@ -24,6 +24,7 @@ from tqdm import tqdm
 import checkpointing
 import launcher
 import memory
+import metrics
 import sharded_checkpointing
 import training
 from data import ResumableDistributedSampler
@@ -97,18 +98,19 @@ def main():
     loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
                         pin_memory=device.type == "cuda")
     val_loader = training.val_loader(val_ds, rank, world_size, micro_batch, same_length=True)  # FSDP: see there
-    metrics = training.MetricsLog(cfg.out_dir, enabled=is_main, resume_step=step, facts=train_ds.facts)
+    log = metrics.MetricsLog(cfg, enabled=is_main, resume_step=step, facts=train_ds.facts)  # and the trackers
     writer = sharded_checkpointing.ShardedCheckpointWriter(cfg.out_dir, cfg.keep_checkpoints, prep)  # FSDP: all ranks
-    stop = training.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
+    stop = launcher.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
     if is_main:
-        print(training.describe(raw_model, train_ds, steps_per_epoch, total_steps, micro_batch, cfg, device, dtype))
+        print(metrics.describe(raw_model, train_ds, steps_per_epoch, total_steps, micro_batch, cfg, device, dtype))
 
     # ---- training loop ----
     last_step = min(total_steps, cfg.stop_at_step or total_steps)
     train_totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, targets] since last log
     pbar = tqdm(total=total_steps, initial=step, dynamic_ncols=True, disable=not is_main)
-    peak = training.peak_tflops(device, dtype, n_devices=training.devices_in_use(model))  # for MFU
-    speedometer = training.Speedometer(cfg, raw_model.flops_per_token(cfg.seq_len), peak)
+    peak = metrics.peak_tflops(device, dtype, n_devices=metrics.devices_in_use(model))  # for MFU
+    speedometer = metrics.Speedometer(cfg, raw_model.flops_per_token(cfg.seq_len), peak, device,
+                                      tokens_seen=train_ds.targets_before(step, cfg.batch_size, cfg.seed))
     batches, preempted, started = None, False, time.perf_counter()
     first_step, loss, val_loss = step, None, None  # for the summary at the end
     while step < last_step:
@@ -117,7 +119,8 @@ def main():
             # a new epoch reshuffles; a resumed run skips the samples it has already seen
             sampler.set_epoch(epoch, start=step_in_epoch * micro_batch * cfg.grad_accum)
             batches = iter(loader)
-        micro_batches = training.next_micro_batches(batches, cfg.grad_accum, device)
+        with speedometer.waiting():  # for data_wait_fraction
+            micro_batches = training.next_micro_batches(batches, cfg.grad_accum, device)
         # Real (non-pad) targets in this whole optimizer step. Dividing each micro-batch's
         # summed loss by this count weighs every token the same, however many pads there are.
         n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
@@ -131,9 +134,10 @@ def main():
         train_totals[1] += n_tokens
 
         # ---- the optimizer step: clip, step, next LR, clear gradients ----
-        # FSDP: clipping works on the shards; the norm's squares are summed over the ranks first
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        # the gradient norm before clipping, logged as grad_norm (max_norm inf: no clipping)
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])  # FSDP: the shards' squares
+        grad_norm = grad_norm.full_tensor()  # summed over the ranks (one all-reduce); a DTensor to a tensor
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.grad_clip or math.inf, grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -146,30 +150,30 @@ def main():
         if step % cfg.log_every == 0 or step == last_step:
             dist.all_reduce(train_totals[:1])  # loss sums of every rank (the counts are global already)
             loss = (train_totals[0] / train_totals[1]).item()  # token-weighted mean since last log
-            training.stop_if_diverged(step, cfg, loss=loss)  # real jobs: before anything is logged
-            speed = speedometer.report(nonpad_tokens=train_totals[1].item())
-            metrics.write(step=step, epoch=epoch, loss=loss, lr=lr, **speed)
-            pbar.set_postfix(training.progress(loss, speed))
+            training.stop_if_diverged(step, cfg, loss=loss, grad_norm=grad_norm.item())  # real jobs: before logging
+            row = speedometer.row(step, epoch, loss, lr, grad_norm.item(), nonpad_tokens=train_totals[1].item())
+            log.write(row)  # to metrics.jsonl, and TensorBoard and W&B if asked for
+            pbar.set_postfix(metrics.progress(row))
             train_totals.zero_()
         with speedometer.paused():  # saving and evaluation do not count as training time
             saving = step % cfg.save_every == 0 or step == last_step or preempted
             if saving:
-                # FSDP: a check of sharded weights all-reduces, so every rank must run it (it does)
                 training.stop_if_diverged(step, cfg, model=raw_model)  # real jobs: on every rank, before saving
-                # FSDP: every rank writes its own shards, from a background thread after a copy in
-                # memory; no rank gathers the whole state
+                # FSDP: the check above all-reduces (the weights are shards), and every rank writes its
+                # own shards, from a background thread after a copy in memory; no rank gathers the whole state
                 writer.save(raw_model, optimizer, checkpointing.run_state(raw_model, scheduler, cfg, step, train_ds))
             if (step % cfg.eval_every == 0 or step == last_step) and not preempted:
                 totals = training.evaluate(raw_model, val_loader, device)  # the plain module: no wrapper
                 dist.all_reduce(totals)  # [loss sum, targets] over every rank's shard
                 val_loss = (totals[0] / totals[1]).item()
                 val_bpb = training.bits_per_byte(totals[0], val_ds)  # per byte of text: comparable across tokenizers
-                metrics.write(step=step, epoch=epoch, val_loss=val_loss, val_bpb=val_bpb)
+                log.write({"step": step, "val_loss": val_loss, "val_bpb": val_bpb})
                 if is_main:  # tqdm.write prints even where the bar is disabled
                     tqdm.write(f"step {step}: val loss {val_loss:.4f} | {val_bpb:.4f} bits per byte")
         if preempted:
             break
     pbar.close()
+    log.close()
     writer.wait()  # the last checkpoint is on disk before we go on
 
     if step == total_steps:  # the whole model's weights, for generate.py and export_hf.py
@@ -178,7 +182,7 @@ def main():
         if step == total_steps:
             checkpointing.atomic_save(full_state, Path(cfg.out_dir) / checkpointing.MODEL)
         trained = speedometer.trained + round(train_totals[1].item())  # and the steps since the last log
-        print(training.summary(cfg, step, total_steps, first_step, trained, time.perf_counter() - started, loss,
+        print(metrics.summary(cfg, step, total_steps, first_step, trained, time.perf_counter() - started, loss,
                                val_loss, preempted, writer.checkpoint_at(step)))
     dist.destroy_process_group()
 

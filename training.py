@@ -5,19 +5,11 @@ parts that differ. (A few helpers work on whatever they are given, an FSDP model
 sharded weights included: init_weights, weights_finite, evaluate.)
 """
 
-import contextlib
 import dataclasses
-import datetime
 import glob
 import inspect
-import json
 import math
 import os
-import re
-import shlex
-import signal
-import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,11 +18,12 @@ from tokenizers import Tokenizer
 import checkpointing
 import corpus
 import data
-from checkpointing import CONFIG, METRICS, MODEL, TOKENIZER, atomic_save
+from checkpointing import METRICS, TOKENIZER
 # the flags live in config.py; the scripts (and the tools) reach them through this module
 from config import TRAINING_PRESETS, ArgumentParser, TrainConfig, micro_batch_size, parse_args  # noqa: F401
-from errors import UsageError, first_line
-from launcher import is_rank0, restart_count, usable_cores, warn
+from errors import UsageError
+from launcher import is_rank0, restart_count, warn
+from metrics import read_metrics
 from model import PRESETS, LlamaConfig, LlamaForPretraining
 
 
@@ -348,24 +341,6 @@ def resume(ckpt: dict | None, cfg: TrainConfig, model, optimizer, scheduler, ste
     return step
 
 
-class StopSignal:
-    """SIGTERM or SIGUSR1 (what Slurm and torchrun send before they kill a job), or Ctrl-C,
-    only sets a flag; the training loop finishes its step, saves a checkpoint and exits 0.
-    A second Ctrl-C stops at once, losing the steps since the last checkpoint."""
-
-    def __init__(self):
-        self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.requested = True
-        if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.default_int_handler)  # the next Ctrl-C interrupts
-            if is_rank0():
-                print("\nCtrl-C: saving after this step (press it again to stop at once)", file=sys.stderr)
-
-
 # ---------------------------------------------------------------------------------------
 # Evaluation and metrics
 
@@ -382,80 +357,6 @@ def evaluate(model, loader, device) -> torch.Tensor:
     return totals
 
 
-# Dense bf16 tensor-core peaks in TFLOP/s, for MFU; the first name found as a whole word in
-# torch.cuda.get_device_name() wins. Add yours: the figure is on the GPU's data sheet.
-GPU_BF16_PEAK_TFLOPS = [("H200", 989), ("H100 PCIe", 756), ("H100", 989), ("A100", 312),
-                        ("L40S", 362), ("L40", 181), ("L4", 121)]
-
-
-def peak_tflops(device: torch.device, dtype: torch.dtype, n_devices: int = 1):
-    """The bf16 peak of the n_devices GPUs that do the work, when known and the run computes
-    in bf16; else None."""
-    if device.type != "cuda" or dtype != torch.bfloat16:
-        return None
-    name = torch.cuda.get_device_name(device)
-    # whole words: "NVIDIA L40S" is not an L4, "NVIDIA A100-SXM4-80GB" is an A100
-    peak = next((peak for key, peak in GPU_BF16_PEAK_TFLOPS if re.search(rf"\b{key}\b", name)), None)
-    return peak * n_devices if peak else None
-
-
-def devices_in_use(model: torch.nn.Module) -> int:
-    """The devices the job computes on: all of DataParallel's GPUs, or one per rank."""
-    if isinstance(model, torch.nn.DataParallel):
-        return max(1, len(model.device_ids))
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
-
-def throughput(seconds: float, steps: int, cfg: TrainConfig, nonpad_tokens: float, flops_per_token: int,
-               peak: float | None) -> dict:
-    """Speed over `steps` optimizer steps that took `seconds` of wall time, data loading
-    included. tokens_per_s counts every position, pads too, and so do TFLOP/s and MFU (achieved
-    over peak FLOP/s, all devices): the work the hardware did. tokens_per_s_nonpad counts the
-    real targets alone: the useful throughput, which the progress bar and the summary show."""
-    tokens_per_s = steps * cfg.batch_size * cfg.seq_len / seconds
-    speed = {"tokens_per_s": tokens_per_s, "tokens_per_s_nonpad": nonpad_tokens / seconds,
-             "flops_per_token": flops_per_token, "tflops": flops_per_token * tokens_per_s / 1e12}
-    if peak:
-        speed["mfu"] = speed["tflops"] / peak
-    return speed
-
-
-class Speedometer:
-    """Times the optimizer steps between two reports; the time spent inside paused()
-    (saving, evaluating) is left out."""
-
-    def __init__(self, cfg: TrainConfig, flops_per_token: int, peak: float | None):
-        self.cfg, self.flops_per_token, self.peak = cfg, flops_per_token, peak
-        self.start, self.steps = time.perf_counter(), 0
-        self.trained = 0  # real (non-pad) targets reported so far: the tokens this process trained on
-
-    def step(self):
-        self.steps += 1
-
-    @contextlib.contextmanager
-    def paused(self):
-        pause = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.start += time.perf_counter() - pause
-
-    def report(self, nonpad_tokens: float) -> dict:
-        """The metrics.jsonl speed fields since the last report; then start over."""
-        now = time.perf_counter()
-        self.trained += round(nonpad_tokens)
-        speed = throughput(now - self.start, self.steps, self.cfg, nonpad_tokens, self.flops_per_token, self.peak)
-        self.start, self.steps = now, 0
-        return speed
-
-
-def progress(loss: float, speed: dict) -> dict:
-    """What the progress bar shows next to the step count."""
-    # tok_s: the real tokens trained a second; TFLOP/s (and MFU) count every position, pads too
-    shown = {"loss": f"{loss:.3f}", "tok_s": f"{speed['tokens_per_s_nonpad']:,.0f}", "tflops": f"{speed['tflops']:.3g}"}
-    return {**shown, "mfu": f"{speed['mfu']:.1%}"} if "mfu" in speed else shown
-
-
 def next_micro_batches(batches, grad_accum: int, device: torch.device) -> list:
     """The grad_accum (inputs, targets) micro-batches of one optimizer step, on the device."""
     micro_batches = []
@@ -463,21 +364,6 @@ def next_micro_batches(batches, grad_accum: int, device: torch.device) -> list:
         x, y = next(batches)
         micro_batches.append((x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
     return micro_batches
-
-
-def describe(model: LlamaForPretraining, train_ds, steps_per_epoch: int, total_steps: int, micro_batch: int,
-             cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> str:
-    """The line printed as training starts (with the ranks and backend under DDP)."""
-    ddp = torch.distributed.is_initialized()
-    ranks = f" x {torch.distributed.get_world_size()} ranks" if ddp else ""
-    backend = f" ({torch.distributed.get_backend()})" if ddp else ""
-    facts = train_ds.facts
-    return (f"{model.num_parameters() / 1e6:.1f}M parameters | {facts['documents']:,} documents: all their "
-            f"{facts['tokens_per_epoch']:,} tokens an epoch, in {facts['windows']:,} windows of {cfg.seq_len} "
-            f"({facts['padding']:.1%} padding) | {steps_per_epoch} steps per epoch | {total_steps} steps | "
-            f"{micro_batch} sequences x {cfg.grad_accum} micro-steps per step{ranks} | device {device}{backend} "
-            f"| {usable_cores()} usable CPU cores | {dtype}{' | compiled' if cfg.compile else ''}"
-            f"{' | activation checkpointing' if cfg.activation_checkpointing else ''}")
 
 
 def weights_finite(model: torch.nn.Module) -> bool:
@@ -493,40 +379,18 @@ def weights_finite(model: torch.nn.Module) -> bool:
     return bool(finite.item())
 
 
-def stop_if_diverged(step: int, cfg: TrainConfig, loss: float | None = None, model: torch.nn.Module | None = None):
-    """Raise if the logged loss, or any weight about to be saved, is not finite: nothing
-    non-finite reaches metrics.jsonl or a checkpoint, and the older checkpoints stay good."""
+def stop_if_diverged(step: int, cfg: TrainConfig, loss: float | None = None, grad_norm: float | None = None,
+                     model: torch.nn.Module | None = None):
+    """Raise if the logged loss or gradient norm, or any weight about to be saved, is not
+    finite: nothing non-finite reaches metrics.jsonl or a checkpoint, and the older
+    checkpoints stay good."""
     weights_bad = model is not None and not weights_finite(model)
-    if weights_bad or (loss is not None and not math.isfinite(loss)):
-        what = "weights are not finite" if weights_bad else f"loss is {loss}"
+    logged = {"loss": loss, "gradient norm": grad_norm}
+    bad = [f"{name} is {value}" for name, value in logged.items() if value is not None and not math.isfinite(value)]
+    if weights_bad or bad:
+        what = "weights are not finite" if weights_bad else bad[0]
         raise UsageError(f"training diverged: the {what} at step {step}. Start again with a lower --lr "
                          f"(was {cfg.lr}) or a longer --warmup-steps (was {cfg.warmup_steps})")
-
-
-def read_metrics(path: Path, warn_if_torn: bool = True) -> list[dict]:
-    """The rows of a metrics.jsonl. A torn last line (what a crash or a full disk leaves
-    mid-write) is dropped with a warning and blank lines are skipped; any other damage is
-    a UsageError."""
-    if not path.exists():
-        return []
-    text = path.read_text(errors="replace")
-    lines = text.split("\n")
-    rows = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-                raise ValueError("not a row with a step")
-        except ValueError as e:
-            if number == len(lines):  # the last line, with no newline after it: torn
-                if warn_if_torn:
-                    warn(f"{path}: dropping its torn last line {line[:40]!r}")
-                continue
-            raise UsageError(f"{path}, line {number}: {first_line(e)}; repair or remove that line") from None
-        rows.append(row)
-    return rows
 
 
 def load_run(out_dir: str, sharded: bool = False) -> dict:
@@ -544,52 +408,3 @@ def load_run(out_dir: str, sharded: bool = False) -> dict:
         import sharded_checkpointing  # as in resume(): only train_fsdp.py needs DCP
         return sharded_checkpointing.load_latest_checkpoint(out)
     return checkpointing.load_latest_checkpoint(out)
-
-
-class MetricsLog:
-    """Appends one JSON object per logged step to metrics.jsonl (rank 0 only). A resumed
-    (or restarted) run first drops the rows logged after its checkpoint: those steps are
-    trained again."""
-
-    def __init__(self, out_dir: str, enabled: bool, resume_step: int = 0, facts: dict | None = None):
-        self.path = Path(out_dir) / METRICS
-        self.enabled = enabled
-        kept = []
-        if enabled and self.path.exists():
-            kept = [row for row in read_metrics(self.path, warn_if_torn=False) if row["step"] <= resume_step]
-            atomic_save("".join(json.dumps(row) + "\n" for row in kept), self.path)
-        if facts and not kept:  # a new run's first row: what an epoch trains on (data.PaddedSequenceDataset.facts)
-            self.write(step=0, **facts)
-
-    def write(self, **row):
-        if self.enabled:
-            line = json.dumps(row) + "\n"
-            try:
-                with open(self.path, "a") as f:
-                    f.write(line)
-            except OSError as e:
-                checkpointing.raise_if_disk_full(e, self.path, len(line))
-                raise
-
-
-def summary(cfg: TrainConfig, step: int, total_steps: int, first_step: int, trained: int, seconds: float,
-            loss: float | None, val_loss: float | None, preempted: bool, checkpoint: Path) -> str:
-    """The end-of-run report: how far, how fast, how well, and what to do next (trained: the
-    real tokens this session trained on; checkpoint: the newest checkpoint, which --resume
-    continues from)."""
-    out = Path(cfg.out_dir)
-    positions = (step - first_step) * cfg.batch_size * cfg.seq_len
-    how = "done" if step == total_steps else "stopped by a signal" if preempted else "stopped"
-    report = [f"{how} after step {step} of {total_steps}: {trained:,} tokens ({positions:,} positions with "
-              f"padding) in {datetime.timedelta(seconds=round(seconds))}"
-              + (f" | train loss {loss:.4f}" if loss is not None else "")
-              + (f" | val loss {val_loss:.4f}" if val_loss is not None else "")]
-    if step < total_steps:
-        return "\n".join(report + [f"checkpoint saved in {checkpoint}; continue with --resume"])
-    prompt = "def " if cfg.dataset == corpus.EMBEDDED_CORPUS else "The "  # the demo corpus is Python code
-    q = shlex.quote  # commands that paste into a shell whatever the folder's name
-    return "\n".join(report + [
-        f"weights in {out / MODEL}, with {TOKENIZER}, {CONFIG} and {METRICS} beside them",
-        f"  sample:   python generate.py {q(str(out))} --prompt {q(prompt)}",
-        f"  export:   python export_hf.py {q(str(out))} {q(str(out) + '-hf')}",
-        f"  plot:     python plot_metrics.py {q(str(out))} -o {q(str(out / 'metrics.png'))}"])

@@ -1,7 +1,7 @@
 """Run a training script (argv[1:]) with one fault injected, for the failure tests.
 
 FAULT picks the fault (or several, comma-separated), FAULT_STEP the optimizer step at which
-it strikes (counted by calls to clip_grad_norm_, once per step), FAULT_RANK the rank (default
+it strikes (counted by calls to AdamW.step, once per step), FAULT_RANK the rank (default
 0). It strikes in the
 first attempt only: after torchrun restarts the workers, the run goes on unharmed.
     kill              SIGKILL this process (a dead GPU, the OOM killer)
@@ -46,7 +46,7 @@ armed = ((rank == os.environ.get("FAULT_RANK", "0") or "diverge-mid-save" in fau
          and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
 reached = threading.Event()
 steps = 0
-real_clip = torch.nn.utils.clip_grad_norm_
+real_step = torch.optim.AdamW.step
 patched = []  # (object, name, original): put back at the end
 
 
@@ -69,17 +69,17 @@ def strike():
             os.kill(os.getpid(), signal.SIGINT)
 
 
-def clip_and_count(*args, **kwargs):
+def step_and_count(*args, **kwargs):
     global steps
     steps += 1
     if steps == at_step:
         reached.set()
         if armed:
             strike()
-    return real_clip(*args, **kwargs)
+    return real_step(*args, **kwargs)
 
 
-patch(torch.nn.utils, "clip_grad_norm_", clip_and_count)
+patch(torch.optim.AdamW, "step", step_and_count)
 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))
 if "slow-disk" in faults and armed:
     import checkpointing
@@ -127,11 +127,11 @@ if "diverge-mid-save" in faults and armed:
     diverged = threading.Event()
     real_stop_if_diverged, real_write_data = training.stop_if_diverged, FileSystemWriter.write_data
 
-    def nan_at_step(step, cfg, loss=None, model=None):
+    def nan_at_step(step, cfg, loss=None, grad_norm=None, model=None):
         if step == at_step and loss is not None:
             diverged.set()  # the UsageError is on its way
             loss = float("nan")
-        return real_stop_if_diverged(step, cfg, loss=loss, model=model)
+        return real_stop_if_diverged(step, cfg, loss=loss, grad_norm=grad_norm, model=model)
 
     def write_after_divergence(self, *args, **kwargs):
         diverged.wait()

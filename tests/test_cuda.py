@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import checkpointing
 import training
+from metrics import peak_tflops
 from conftest import FAST, load_weights, max_weight_diff, metrics, run_script
 from model import LlamaConfig, LlamaForPretraining
 
@@ -49,8 +50,10 @@ def trains_resumes_and_loads(runs, tmp_path, script, nproc):
     straight = runs(f"cuda_{script}", script, GPU_FAST, nproc=nproc)
     rows = [row for row in metrics(straight) if "loss" in row]
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5  # it learns
-    if training.peak_tflops(torch.device("cuda", 0), torch.bfloat16):  # a GPU whose peak we know
+    if peak_tflops(torch.device("cuda", 0), torch.bfloat16):  # a GPU whose peak we know
         assert 0 < rows[-1]["mfu"] < 1
+    # the allocator's peaks since the previous row: the weights alone are there, reserved holds allocated
+    assert all(0 < row["max_memory_allocated_gib"] <= row["max_memory_reserved_gib"] for row in rows)
     model, _ = checkpointing.load_trained(straight)  # plain keys, fp32, loads strictly
     last = last_checkpoint_weights(straight, tmp_path)  # step 8's, written by another code path
     assert model.state_dict().keys() == last.keys()

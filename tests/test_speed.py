@@ -15,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import checkpointing
 import training
 from errors import UsageError
+from metrics import devices_in_use, peak_tflops, throughput
 from conftest import (BF16, FAST, FP32_LIKE_BF16, REPO, assert_follows_in_bf16, assert_same_model, load_weights,
                       metrics, spied, train)
 from model import LlamaConfig, LlamaForPretraining
@@ -72,22 +73,22 @@ def test_auto_picks_bf16_only_on_gpus_that_compute_it_natively(monkeypatch, gpu,
 ])
 def test_mfu_uses_the_bf16_peak_of_the_gpu_by_its_whole_name(monkeypatch, gpu, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
-    assert training.peak_tflops(torch.device("cuda", 0), torch.bfloat16) == peak
+    assert peak_tflops(torch.device("cuda", 0), torch.bfloat16) == peak
 
 
 def test_mfu_divides_by_the_peak_of_every_gpu_at_work(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
     gpu = torch.device("cuda", 0)
-    assert training.peak_tflops(gpu, torch.bfloat16, n_devices=4) == 4 * 756
-    assert training.peak_tflops(gpu, torch.float32) is None  # no MFU against a peak we don't use
-    assert training.peak_tflops(torch.device("cpu"), torch.bfloat16) is None
+    assert peak_tflops(gpu, torch.bfloat16, n_devices=4) == 4 * 756
+    assert peak_tflops(gpu, torch.float32) is None  # no MFU against a peak we don't use
+    assert peak_tflops(torch.device("cpu"), torch.bfloat16) is None
     cfg = training.parse_args(["--batch-size", "64", "--seq-len", "512"])
-    speed = training.throughput(2.0, steps=10, cfg=cfg, nonpad_tokens=300_000, flops_per_token=10**9,
+    speed = throughput(2.0, steps=10, cfg=cfg, nonpad_tokens=300_000, flops_per_token=10**9,
                                 peak=4 * 756)
     assert speed["tokens_per_s"] == 10 * 64 * 512 / 2.0 and speed["tokens_per_s_nonpad"] == 150_000
     assert speed["tflops"] == pytest.approx(163.84) and speed["flops_per_token"] == 10**9
     assert speed["mfu"] == pytest.approx(163.84 / (4 * 756))
-    assert training.devices_in_use(torch.nn.Linear(2, 2)) == 1
+    assert devices_in_use(torch.nn.Linear(2, 2)) == 1
 
 
 def test_mfu_counts_every_gpu_dataparallel_picks(monkeypatch):
@@ -99,8 +100,8 @@ def test_mfu_counts_every_gpu_dataparallel_picks(monkeypatch):
     monkeypatch.setattr(dp_module, "_check_balance", lambda device_ids: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     model = torch.nn.DataParallel(torch.nn.Identity())
-    assert training.devices_in_use(model) == 4
-    assert training.peak_tflops(torch.device("cuda", 0), torch.bfloat16, training.devices_in_use(model)) == 4 * 312
+    assert devices_in_use(model) == 4
+    assert peak_tflops(torch.device("cuda", 0), torch.bfloat16, devices_in_use(model)) == 4 * 312
 
 
 def test_bf16_trains_like_fp32(runs, bf16_floor):

@@ -1,0 +1,300 @@
+"""What a run logs, and where. Speedometer.row defines a logged training row, the one
+definition that every sink reads: metrics.jsonl always, TensorBoard (--tensorboard) and
+Weights & Biases (--wandb) when asked for, and the progress bar, which shows part of it.
+Only rank 0 writes. The trackers are imported only when their flag is given.
+"""
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import re
+import secrets
+import shlex
+import time
+from pathlib import Path
+
+import torch
+
+import corpus
+from checkpointing import CONFIG, METRICS, MODEL, TENSORBOARD, TOKENIZER, WANDB_RUN, atomic_save, raise_if_disk_full
+from config import TrainConfig
+from errors import UsageError, first_line
+from launcher import usable_cores, warn
+from model import LlamaForPretraining
+
+# Dense bf16 tensor-core peaks in TFLOP/s, for MFU; the first name found as a whole word in
+# torch.cuda.get_device_name() wins. Add yours: the figure is on the GPU's data sheet.
+GPU_BF16_PEAK_TFLOPS = [("H200", 989), ("H100 PCIe", 756), ("H100", 989), ("A100", 312),
+                        ("L40S", 362), ("L40", 181), ("L4", 121)]
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype, n_devices: int = 1):
+    """The bf16 peak of the n_devices GPUs that do the work, when known and the run computes
+    in bf16; else None."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return None
+    name = torch.cuda.get_device_name(device)
+    # whole words: "NVIDIA L40S" is not an L4, "NVIDIA A100-SXM4-80GB" is an A100
+    peak = next((peak for key, peak in GPU_BF16_PEAK_TFLOPS if re.search(rf"\b{key}\b", name)), None)
+    return peak * n_devices if peak else None
+
+
+def devices_in_use(model: torch.nn.Module) -> int:
+    """The devices the job computes on: all of DataParallel's GPUs, or one per rank."""
+    if isinstance(model, torch.nn.DataParallel):
+        return max(1, len(model.device_ids))
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def throughput(seconds: float, steps: int, cfg: TrainConfig, nonpad_tokens: float, flops_per_token: int,
+               peak: float | None) -> dict:
+    """Speed over `steps` optimizer steps that took `seconds` of wall time, data loading
+    included. tokens_per_s counts every position, pads too, and so do TFLOP/s and MFU (achieved
+    over peak FLOP/s, all devices): the work the hardware did. tokens_per_s_nonpad counts the
+    real targets alone: the useful throughput, which the progress bar and the summary show."""
+    tokens_per_s = steps * cfg.batch_size * cfg.seq_len / seconds
+    speed = {"tokens_per_s": tokens_per_s, "tokens_per_s_nonpad": nonpad_tokens / seconds,
+             "flops_per_token": flops_per_token, "tflops": flops_per_token * tokens_per_s / 1e12}
+    if peak:
+        speed["mfu"] = speed["tflops"] / peak
+    return speed
+
+
+def cuda_memory(device: torch.device) -> dict:
+    """On CUDA, the peak memory since the last row, in GiB: what the tensors took
+    (allocated) and what the caching allocator held (reserved, what nvidia-smi sees). Read
+    from the allocator's counters on the host, without waiting for the GPU."""
+    if device.type != "cuda":
+        return {}
+    peaks = {"max_memory_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+             "max_memory_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+    torch.cuda.reset_peak_memory_stats(device)
+    return peaks
+
+
+class Speedometer:
+    """Times the optimizer steps between two logged rows, and the part of that time spent
+    waiting for the next batch; the time inside paused() (saving, evaluating) is left out."""
+
+    def __init__(self, cfg: TrainConfig, flops_per_token: int, peak: float | None, device: torch.device,
+                 tokens_seen: int = 0):
+        self.cfg, self.flops_per_token, self.peak, self.device = cfg, flops_per_token, peak, device
+        self.start, self.steps, self.waited = time.perf_counter(), 0, 0.0
+        self.trained = 0  # real (non-pad) targets in the rows so far: the tokens this session trained on
+        self.tokens_before = tokens_seen  # those of the steps before a resume
+
+    def step(self):
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def paused(self):
+        pause = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - pause
+
+    @contextlib.contextmanager
+    def waiting(self):
+        """Around the wait for the next batch: data_wait_fraction. (A GPU computes ahead of the
+        host, so the host's wait is what slows a step: time it, with no sync.)"""
+        wait = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.waited += time.perf_counter() - wait
+
+    def row(self, step: int, epoch: int, loss: float, lr: float, grad_norm: float, nonpad_tokens: float) -> dict:
+        """A logged training row: what it holds is defined here, once. Then the next interval starts."""
+        seconds = time.perf_counter() - self.start
+        self.trained += round(nonpad_tokens)
+        row = {"step": step, "epoch": epoch,
+               "loss": loss,  # the token-weighted mean since the last row
+               "lr": lr,
+               "grad_norm": grad_norm,  # this step's, before clipping, of the whole model (every rank's part)
+               "tokens_seen": self.tokens_before + self.trained,  # real targets since the run began
+               **throughput(seconds, self.steps, self.cfg, nonpad_tokens, self.flops_per_token, self.peak),
+               "data_wait_fraction": self.waited / seconds,  # of the wall time, waiting for a batch
+               **cuda_memory(self.device)}
+        self.start, self.steps, self.waited = time.perf_counter(), 0, 0.0
+        return row
+
+
+def progress(row: dict) -> dict:
+    """What the progress bar shows next to the step count, from a logged row."""
+    # tok_s: the real tokens trained a second; TFLOP/s (and MFU) count every position, pads too
+    shown = {"loss": f"{row['loss']:.3f}", "tok_s": f"{row['tokens_per_s_nonpad']:,.0f}",
+             "tflops": f"{row['tflops']:.3g}"}
+    return {**shown, "mfu": f"{row['mfu']:.1%}"} if "mfu" in row else shown
+
+
+def read_metrics(path: Path, warn_if_torn: bool = True) -> list[dict]:
+    """The rows of a metrics.jsonl. A torn last line (what a crash or a full disk leaves
+    mid-write) is dropped with a warning and blank lines are skipped; any other damage is
+    a UsageError."""
+    if not path.exists():
+        return []
+    text = path.read_text(errors="replace")
+    lines = text.split("\n")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a row with a step")
+        except ValueError as e:
+            if number == len(lines):  # the last line, with no newline after it: torn
+                if warn_if_torn:
+                    warn(f"{path}: dropping its torn last line {line[:40]!r}")
+                continue
+            raise UsageError(f"{path}, line {number}: {first_line(e)}; repair or remove that line") from None
+        rows.append(row)
+    return rows
+
+
+def scalars(row: dict) -> dict:
+    """The numbers of a row a tracker plots against its step."""
+    return {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class JsonlSink:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, row: dict):
+        line = json.dumps(row) + "\n"
+        try:
+            with open(self.path, "a") as f:
+                f.write(line)
+        except OSError as e:
+            raise_if_disk_full(e, self.path, len(line))
+            raise
+
+    def close(self):
+        pass
+
+
+class TensorBoardSink:
+    """Event files in OUT/tensorboard/: `tensorboard --logdir OUT` (or a folder of runs)."""
+
+    def __init__(self, out: Path, cfg: TrainConfig, resume_step: int):
+        from torch.utils.tensorboard import SummaryWriter
+        folder = out / TENSORBOARD
+        earlier = folder.exists()
+        # A resumed run trains the steps after its checkpoint again. Every session starts with a
+        # restart mark at the first step it logs (purge_step); TensorBoard takes the first mark
+        # for the run's start and each later one for a restart, and hides what the sessions
+        # before logged from that step on: each step keeps one value, the newest.
+        self.writer = SummaryWriter(str(folder), purge_step=resume_step + 1)
+        if not earlier:
+            flags = "\n".join(f"| {k} | {v} |" for k, v in dataclasses.asdict(cfg).items())
+            self.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, 0)
+
+    def write(self, row: dict):
+        for key, value in scalars(row).items():
+            self.writer.add_scalar(key, value, row["step"])
+        self.writer.flush()  # on disk at once: the run is watched live, and a killed run loses nothing logged
+
+    def close(self):
+        self.writer.close()
+
+
+class WandbSink:
+    """A Weights & Biases run (WANDB_MODE=offline keeps it on disk, under OUT/wandb/). Its
+    id is kept in OUT/wandb-run.txt, so a resumed run continues the same W&B run."""
+
+    def __init__(self, out: Path, cfg: TrainConfig, logged_until: int):
+        import wandb
+        id_file = out / WANDB_RUN
+        run_id = id_file.read_text().strip() if id_file.exists() else None
+        if run_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):
+            raise UsageError(f"{id_file} does not hold a W&B run id: remove it to start a new W&B run")
+        if run_id is None:
+            run_id = secrets.token_hex(4)  # 8 characters, as W&B's own ids
+            atomic_save(run_id + "\n", id_file)
+            logged_until = -1  # a new W&B run has seen none of the rows
+        self.run = wandb.init(project=cfg.wandb, name=cfg.wandb_run, id=run_id, resume="allow", dir=str(out),
+                              config=dataclasses.asdict(cfg))
+        # W&B keeps a run's steps increasing: the steps an earlier session logged stay as they were
+        # (a resumed run trains them again to the same values), and the new ones follow.
+        self.logged_until = logged_until
+
+    def write(self, row: dict):
+        if row["step"] > self.logged_until:
+            self.run.log(scalars(row), step=row["step"])
+
+    def close(self):
+        self.run.finish()
+
+
+class MetricsLog:
+    """Rank 0's record of the run: each row to metrics.jsonl, and to the trackers asked for.
+    A resumed (or restarted) run first drops the rows logged after its checkpoint: those
+    steps are trained again. facts: a new run's first row, what an epoch trains on."""
+
+    def __init__(self, cfg: TrainConfig, enabled: bool, resume_step: int = 0, facts: dict | None = None):
+        self.sinks = []
+        if not enabled:
+            return
+        out = Path(cfg.out_dir)
+        path = out / METRICS
+        rows = read_metrics(path, warn_if_torn=False) if path.exists() else []
+        kept = [row for row in rows if row["step"] <= resume_step]
+        if path.exists():
+            atomic_save("".join(json.dumps(row) + "\n" for row in kept), path)
+        self.sinks.append(JsonlSink(path))
+        if cfg.tensorboard:
+            self.sinks.append(TensorBoardSink(out, cfg, resume_step))
+        if cfg.wandb:
+            self.sinks.append(WandbSink(out, cfg, logged_until=max((row["step"] for row in rows), default=0)))
+        if facts and not kept:
+            self.write({"step": 0, **facts})
+
+    def write(self, row: dict):
+        for sink in self.sinks:
+            sink.write(row)
+
+    def close(self):
+        for sink in self.sinks:
+            sink.close()
+
+
+def describe(model: LlamaForPretraining, train_ds, steps_per_epoch: int, total_steps: int, micro_batch: int,
+             cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """The line printed as training starts (with the ranks and backend under DDP)."""
+    ddp = torch.distributed.is_initialized()
+    ranks = f" x {torch.distributed.get_world_size()} ranks" if ddp else ""
+    backend = f" ({torch.distributed.get_backend()})" if ddp else ""
+    facts = train_ds.facts
+    return (f"{model.num_parameters() / 1e6:.1f}M parameters | {facts['documents']:,} documents: all their "
+            f"{facts['tokens_per_epoch']:,} tokens an epoch, in {facts['windows']:,} windows of {cfg.seq_len} "
+            f"({facts['padding']:.1%} padding) | {steps_per_epoch} steps per epoch | {total_steps} steps | "
+            f"{micro_batch} sequences x {cfg.grad_accum} micro-steps per step{ranks} | device {device}{backend} "
+            f"| {usable_cores()} usable CPU cores | {dtype}{' | compiled' if cfg.compile else ''}"
+            f"{' | activation checkpointing' if cfg.activation_checkpointing else ''}")
+
+
+def summary(cfg: TrainConfig, step: int, total_steps: int, first_step: int, trained: int, seconds: float,
+            loss: float | None, val_loss: float | None, preempted: bool, checkpoint: Path) -> str:
+    """The end-of-run report: how far, how fast, how well, and what to do next (trained: the
+    real tokens this session trained on; checkpoint: the newest checkpoint, which --resume
+    continues from)."""
+    out = Path(cfg.out_dir)
+    positions = (step - first_step) * cfg.batch_size * cfg.seq_len
+    how = "done" if step == total_steps else "stopped by a signal" if preempted else "stopped"
+    report = [f"{how} after step {step} of {total_steps}: {trained:,} tokens ({positions:,} positions with "
+              f"padding) in {datetime.timedelta(seconds=round(seconds))}"
+              + (f" | train loss {loss:.4f}" if loss is not None else "")
+              + (f" | val loss {val_loss:.4f}" if val_loss is not None else "")]
+    if step < total_steps:
+        return "\n".join(report + [f"checkpoint saved in {checkpoint}; continue with --resume"])
+    prompt = "def " if cfg.dataset == corpus.EMBEDDED_CORPUS else "The "  # the demo corpus is Python code
+    q = shlex.quote  # commands that paste into a shell whatever the folder's name
+    return "\n".join(report + [
+        f"weights in {out / MODEL}, with {TOKENIZER}, {CONFIG} and {METRICS} beside them",
+        f"  sample:   python generate.py {q(str(out))} --prompt {q(prompt)}",
+        f"  export:   python export_hf.py {q(str(out))} {q(str(out) + '-hf')}",
+        f"  plot:     python plot_metrics.py {q(str(out))} -o {q(str(out / 'metrics.png'))}"])

@@ -1,0 +1,220 @@
+"""What a run logs, and where users watch it: the health metrics of each row (grad_norm,
+tokens_seen, data_wait_fraction, CUDA memory), TensorBoard and Weights & Biases, each
+checked with the tool's own reader, resumed runs included."""
+
+import itertools
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import metrics
+import training
+from conftest import FAST, FLOOR_MULTIPLE, assert_within, launch_env, run_script, script_in_process
+from model import IGNORE_INDEX
+
+ONE_STEP = ["--max-steps", "1"]
+
+
+def rows_of(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def first_step_gradients(runs, out: Path) -> list[torch.Tensor]:
+    """The gradients of step 1, computed here without the training loop: the seeded initial
+    weights, the first global batch of the sampler's permutation, the mean over its real targets."""
+    cfg = training.parse_args(["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out.parent / "unused")])
+    train_text, val_text, _ = training.load_text(cfg)
+    tokenizer = data.load_tokenizer(out / "tokenizer.json")
+    train_ds, _ = training.make_datasets(cfg, tokenizer, train_text, val_text)
+    model = training.build_model(cfg, tokenizer.get_vocab_size(), torch.float32)
+    sampler = data.ResumableRandomSampler(train_ds, cfg.seed)
+    sampler.set_epoch(0)
+    x, y = torch.utils.data.default_collate([train_ds[i] for i in itertools.islice(sampler, cfg.batch_size)])
+    (model(x, y)[0].sum() / (y != IGNORE_INDEX).sum()).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_grad_norm_is_the_norm_clipping_computes_under_one_process_ddp_and_fsdp(runs):
+    """grad_norm is the gradient norm before clipping (the runs clip at 1.0; their first norm is
+    above it), of the whole model: under FSDP the squares of every rank's shards, summed. A norm
+    rounds apart from the losses: its floor here is the same gradients' norm computed in
+    another order, each tensor as two halves (two shards), then combined."""
+    logged = {name: next(r["grad_norm"] for r in rows_of(runs(name, script, ONE_STEP, nproc)) if "loss" in r)
+              for name, script, nproc in [("dp_1step", "train_dp.py", 0), ("ddp2_1step", "train_ddp.py", 2),
+                                          ("fsdp2_1step", "train_fsdp.py", 2)]}
+    grads = first_step_gradients(runs, runs("dp_1step", "train_dp.py", ONE_STEP))
+    plain = torch.nn.utils.get_total_norm(grads).item()  # what clip_grad_norm_ computes and returns
+    halves = [half for g in grads for half in g.flatten().chunk(2)]
+    floor = max(abs(torch.nn.utils.get_total_norm(halves).item() - plain) / plain, torch.finfo(torch.float32).eps)
+    assert plain > 1.0  # clipping had work to do: a norm logged after it would be 1.0
+    for name, norm in logged.items():
+        assert_within(f"{name} grad_norm", abs(norm - plain) / plain, floor, FLOOR_MULTIPLE)
+
+
+def test_tokens_seen_counts_every_real_target_since_the_run_began(runs):
+    """tokens_seen at each row is the sum of the real targets of every global batch so far,
+    counted here from the windows in the samplers' order. (A resumed run counts the steps
+    before its checkpoint from that order too: the exact-resume tests of test_failures.py
+    compare its every row, tokens_seen included, with an uninterrupted run's.)"""
+    out = runs("dp", "train_dp.py")
+    cfg = training.parse_args(["--dataset", str(runs.corpus), *FAST, "--out-dir", str(runs.root / "unused")])
+    train_text, val_text, _ = training.load_text(cfg)
+    train_ds, _ = training.make_datasets(cfg, data.load_tokenizer(out / "tokenizer.json"), train_text, val_text)
+    sampler = data.ResumableRandomSampler(train_ds, cfg.seed)
+    sampler.set_epoch(0)
+    order = list(sampler)
+    logged = [row for row in rows_of(out) if "loss" in row]
+    assert len(logged) == 4 and logged[-1]["step"] * cfg.batch_size <= len(order)  # one epoch holds them
+    for row in logged:
+        windows = order[:row["step"] * cfg.batch_size]
+        assert row["tokens_seen"] == sum(int((train_ds[i][1] != IGNORE_INDEX).sum()) for i in windows)
+    assert train_ds.targets_before(8, cfg.batch_size, cfg.seed) == logged[-1]["tokens_seen"]
+
+
+def test_data_wait_fraction_is_the_share_of_step_time_spent_waiting_for_a_batch(monkeypatch):
+    """The Speedometer's own clock: one interval of 2 steps, 3 s, 1 s of it inside waiting()."""
+    clock = iter([100.0, 100.5, 101.5, 103.0, 103.0])  # start, wait begins, wait ends, row, next start
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    cfg = training.parse_args(FAST)
+    speedometer = metrics.Speedometer(cfg, flops_per_token=10, peak=None, device=torch.device("cpu"), tokens_seen=50)
+    with speedometer.waiting():
+        speedometer.step()
+    speedometer.step()
+    row = speedometer.row(step=2, epoch=0, loss=3.0, lr=0.1, grad_norm=0.5, nonpad_tokens=400)
+    assert row["data_wait_fraction"] == pytest.approx(1 / 3) and row["tokens_seen"] == 450
+    assert row["tokens_per_s"] == 2 * 8 * 32 / 3.0 and "max_memory_allocated_gib" not in row  # a CPU has no such peak
+
+
+def test_cuda_rows_carry_the_peak_memory_since_the_last_row(monkeypatch):
+    """On CUDA, the allocator's peaks in GiB, then reset, so the next row has its own
+    (tests/test_cuda.py reads them from a real GPU)."""
+    resets = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 4.5 * 2**30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: resets.append(device))
+    gpu = torch.device("cuda", 0)
+    assert metrics.cuda_memory(gpu) == {"max_memory_allocated_gib": 3.0, "max_memory_reserved_gib": 4.5}
+    assert resets == [gpu]
+
+
+@pytest.mark.parametrize("flag, package", [(["--tensorboard"], "tensorboard"), (["--wandb", "p"], "wandb")])
+def test_a_tracker_without_its_package_is_one_line_and_nothing_is_written(flag, package, tmp_path, capsys,
+                                                                         monkeypatch, corpus):
+    monkeypatch.setitem(sys.modules, package, None)  # what `import` sees where the package is not installed
+    out = tmp_path / "out"
+    assert script_in_process("train_dp.py", ["--dataset", str(corpus), *FAST, "--out-dir", str(out), *flag]) == 2
+    assert capsys.readouterr().err == f"error: --{package} needs the {package} package: pip install {package}\n"
+    assert not out.exists()
+
+
+def tensorboard_server(logdir: Path, load_fast: str) -> tuple[subprocess.Popen, str]:
+    """`tensorboard --logdir` on a free loopback port, reloading every second; its address."""
+    server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1",
+                               "--port", "0", "--reload_interval", "1", "--load_fast", load_fast],
+                              stderr=subprocess.PIPE, text=True, env=launch_env())
+    for line in server.stderr:  # it prints its address once it serves
+        if found := re.search(r"http://127\.0\.0\.1:\d+", line):
+            return server, found.group(0)
+    raise AssertionError(f"tensorboard exited with status {server.wait()} before serving")
+
+
+def served_scalars(address: str, tag: str) -> list[tuple[int, float]] | None:
+    """The (step, value) series the server has for tag; None while it has not read the tag yet."""
+    try:
+        with urllib.request.urlopen(f"{address}/data/plugin/scalars/scalars?run=tensorboard&tag={tag}") as reply:
+            return [(step, value) for _, step, value in json.load(reply)]
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise
+
+
+def as_served(rows: list[dict], tag: str) -> list[tuple[int, float]]:
+    """A metrics.jsonl column as TensorBoard serves it: float32 values, by step."""
+    return [(row["step"], float(np.float32(row[tag]))) for row in rows if tag in row]
+
+
+def wait_for(condition, what: str, seconds: float = 120):
+    """Poll until condition() holds (the server reloads its files every second)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"tensorboard never showed {what}"
+        time.sleep(0.2)
+
+
+# Both of TensorBoard's loaders: its Rust data server (the default where pip installed it) and
+# the Python one (--load_fast false), which drops the steps a resumed run trains again only
+# because the run says where it resumed (SummaryWriter's purge_step).
+@pytest.mark.parametrize("load_fast", ["auto", "false"])
+def test_tensorboard_serves_the_logged_scalars_and_a_resumed_run_one_value_per_step(runs, tmp_path, load_fast):
+    """A real tensorboard server against a 2-rank DDP run killed at step 7 (logged to step 6,
+    checkpoint at step 4); then resumed to the end under the same server: steps 5 and 6 are
+    trained again, and each step still shows one value, the one metrics.jsonl holds."""
+    out = tmp_path / "run"
+    args = ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), "--tensorboard"]
+    killed = run_script("train_ddp.py", args, nproc=2, wrapper="tests/inject_fault.py", check=False,
+                        env={"FAULT": "kill", "FAULT_STEP": "7", "FAULT_LOG_DIR": str(tmp_path)})
+    assert killed.returncode != 0 and [r["step"] for r in rows_of(out) if "loss" in r] == [2, 4, 6]
+    tags = sorted({key for row in rows_of(out) for key in metrics.scalars(row)})
+    assert {"loss", "val_loss", "grad_norm", "tokens_seen", "data_wait_fraction", "lr"} <= set(tags)
+    server, address = tensorboard_server(out, load_fast)  # as the README says: tensorboard --logdir OUT
+    try:
+        wait_for(lambda: served_scalars(address, "loss") == as_served(rows_of(out), "loss"), "the killed run's loss")
+        for tag in tags:
+            assert served_scalars(address, tag) == as_served(rows_of(out), tag), tag
+        run_script("train_ddp.py", [*args, "--resume"], nproc=2)
+        final = rows_of(out)
+        assert [r["step"] for r in final if "loss" in r] == [2, 4, 6, 8]
+        wait_for(lambda: served_scalars(address, "loss") == as_served(final, "loss"), "the resumed run's loss")
+        for tag in tags:
+            served = served_scalars(address, tag)
+            assert served == as_served(final, tag), tag
+            assert len({step for step, _ in served}) == len(served)  # one value per step
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def wandb_records(run_dir: Path) -> list[dict]:
+    """The records of one offline W&B run, through wandb's own reader of its .wandb log."""
+    proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_dir)],
+                          capture_output=True, text=True, check=True, env=launch_env(), timeout=120)
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_wandb_offline_holds_the_run_its_config_and_its_history_and_a_resume_continues_it(runs, tmp_path):
+    """--wandb under WANDB_MODE=offline: stopped at step 4, then resumed. Both sessions log to
+    one W&B run (the id kept in the output folder), with the run's flags as its config, and its
+    history holds every row of metrics.jsonl once, at its step."""
+    out = tmp_path / "run"
+    args = ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), "--wandb", "llama-tests",
+            "--wandb-run", "fast"]
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    run_script("train_dp.py", [*args, "--stop-at-step", "4"], env=env)
+    run_script("train_dp.py", [*args, "--resume"], env=env)
+    sessions = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(sessions) == 2
+    records = [record for session in sessions for record in wandb_records(session)]
+    runs_seen = [r["run"] for r in records if r["type"] == "run"]
+    assert {(r["run_id"], r["project"], r["display_name"]) for r in runs_seen} == {
+        ((out / "wandb-run.txt").read_text().strip(), "llama-tests", "fast")}
+    config = runs_seen[0]["config"]["update"]
+    assert config["lr"] == 1e-3 and config["seq_len"] == 32 and config["out_dir"] == str(out)
+    by_step = {}
+    for item in (r["history"]["item"] for r in records if r["type"] == "history"):
+        assert item["_step"] not in by_step  # one entry per step
+        by_step[item["_step"]] = item
+    rows = rows_of(out)
+    assert sorted(by_step) == sorted({row["step"] for row in rows}) == [0, 2, 4, 6, 8]
+    for row in rows:
+        assert {k: by_step[row["step"]][k] for k in metrics.scalars(row)} == metrics.scalars(row), row["step"]
