@@ -269,7 +269,7 @@ class PaddedSequenceDataset(torch.utils.data.Dataset):
         for first in range(0, step, steps_per_epoch):  # each epoch's first step
             sampler.set_epoch(first // steps_per_epoch)
             batches = min(step - first, steps_per_epoch)
-            seen += int(self.targets[list(itertools.islice(sampler, batches * batch_size))].sum())
+            seen += int(self.targets[sampler.permutation()[:batches * batch_size].numpy()].sum())
         return seen
 
     def __getitem__(self, i):
@@ -299,10 +299,13 @@ class ResumableRandomSampler(torch.utils.data.Sampler):
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
 
-    def __iter__(self):
+    def permutation(self) -> torch.Tensor:
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)  # as DistributedSampler seeds its shuffle
-        return iter(torch.randperm(self.n, generator=generator)[self.start:].tolist())
+        return torch.randperm(self.n, generator=generator)
+
+    def __iter__(self):
+        return iter(self.permutation()[self.start:].tolist())
 
     def __len__(self):
         return self.n - self.start

@@ -97,8 +97,9 @@ class Speedometer:
 
     @contextlib.contextmanager
     def waiting(self):
-        """Around the wait for the next batch: data_wait_fraction. (A GPU computes ahead of the
-        host, so the host's wait is what slows a step: time it, with no sync.)"""
+        """Around the wait for the next batch: data_wait_fraction, timed on the host with no
+        sync. A GPU with work still queued does not starve while the host waits, so this is
+        the most the data feed can have cost, not always what it did cost."""
         wait = time.perf_counter()
         try:
             yield
@@ -145,7 +146,7 @@ def read_metrics(path: Path, warn_if_torn: bool = True) -> list[dict]:
             row = json.loads(line)
             if not isinstance(row, dict) or not isinstance(row.get("step"), int):
                 raise ValueError("not a row with a step")
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep to parse
             if number == len(lines):  # the last line, with no newline after it: torn
                 if warn_if_torn:
                     warn(f"{path}: dropping its torn last line {line[:40]!r}")
@@ -178,20 +179,22 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    """Event files in OUT/tensorboard/: `tensorboard --logdir OUT` (or a folder of runs)."""
+    """Event files in OUT/tensorboard/: `tensorboard --logdir OUT` (or a folder of runs).
+    They mirror metrics.jsonl: every session starts with a restart mark at step 0
+    (purge_step), for which TensorBoard hides all that earlier sessions wrote, then writes
+    again the rows metrics.jsonl kept. A resumed run's steps trained again, or rows logged
+    while --tensorboard was off, then show as metrics.jsonl has them: one value per step."""
 
-    def __init__(self, out: Path, cfg: TrainConfig, resume_step: int):
+    def __init__(self, out: Path, cfg: TrainConfig, kept: list[dict]):
         from torch.utils.tensorboard import SummaryWriter
         folder = out / TENSORBOARD
-        earlier = folder.exists()
-        # A resumed run trains the steps after its checkpoint again. Every session starts with a
-        # restart mark at the first step it logs (purge_step); TensorBoard takes the first mark
-        # for the run's start and each later one for a restart, and hides what the sessions
-        # before logged from that step on: each step keeps one value, the newest.
-        self.writer = SummaryWriter(str(folder), purge_step=resume_step + 1)
-        if not earlier:
-            flags = "\n".join(f"| {k} | {v} |" for k, v in dataclasses.asdict(cfg).items())
-            self.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, 0)
+        if folder.exists() and not folder.is_dir():
+            raise UsageError(f"{folder} is a file, not a folder of TensorBoard event files: move it away")
+        self.writer = SummaryWriter(str(folder), purge_step=0)
+        flags = "\n".join(f"| {k} | {v} |" for k, v in dataclasses.asdict(cfg).items())
+        self.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, 0)
+        for row in kept:
+            self.write(row)
 
     def write(self, row: dict):
         for key, value in scalars(row).items():
@@ -203,28 +206,43 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """A Weights & Biases run (WANDB_MODE=offline keeps it on disk, under OUT/wandb/). Its
-    id is kept in OUT/wandb-run.txt, so a resumed run continues the same W&B run."""
+    """A Weights & Biases run (WANDB_MODE=offline keeps it on disk, under OUT/wandb/).
+    OUT/wandb-run.txt holds its id, so that a resumed run continues the same W&B run, and
+    the last step sent to it. W&B takes no step twice: a resumed run sends the rows that
+    metrics.jsonl kept and W&B has not seen, then its own; the steps it trains again keep
+    the values first sent (the same losses; other timings)."""
 
-    def __init__(self, out: Path, cfg: TrainConfig, logged_until: int):
+    def __init__(self, out: Path, cfg: TrainConfig, kept: list[dict]):
         import wandb
-        id_file = out / WANDB_RUN
-        run_id = id_file.read_text().strip() if id_file.exists() else None
-        if run_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):
-            raise UsageError(f"{id_file} does not hold a W&B run id: remove it to start a new W&B run")
-        if run_id is None:
-            run_id = secrets.token_hex(4)  # 8 characters, as W&B's own ids
-            atomic_save(run_id + "\n", id_file)
-            logged_until = -1  # a new W&B run has seen none of the rows
-        self.run = wandb.init(project=cfg.wandb, name=cfg.wandb_run, id=run_id, resume="allow", dir=str(out),
-                              config=dataclasses.asdict(cfg))
-        # W&B keeps a run's steps increasing: the steps an earlier session logged stay as they were
-        # (a resumed run trains them again to the same values), and the new ones follow.
-        self.logged_until = logged_until
+        self.state = out / WANDB_RUN
+        run_id, self.sent = self.read_state()
+        try:
+            self.run = wandb.init(project=cfg.wandb, name=cfg.wandb_run, id=run_id, resume="allow", dir=str(out),
+                                  config=dataclasses.asdict(cfg))
+        except Exception as e:  # no login, no network, a project name W&B refuses: its own words, in one line
+            raise UsageError(f"--wandb {cfg.wandb}: W&B could not start the run ({first_line(e)}); log in with "
+                             "`wandb login`, or keep the run on disk with WANDB_MODE=offline") from None
+        self.run_id, self.sent_before = run_id, self.sent  # earlier sessions sent the steps up to sent_before
+        for row in kept:
+            self.write(row)
+
+    def read_state(self) -> tuple[str, int]:
+        if not self.state.exists():
+            return secrets.token_hex(4), -1  # a new W&B run (8 characters, as W&B's own ids), nothing sent
+        try:
+            run_id, sent = self.state.read_text(errors="replace").split()
+            if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):
+                raise ValueError
+            return run_id, int(sent)
+        except (OSError, ValueError):
+            raise UsageError(f"{self.state} does not hold a W&B run id and a step: remove it to start a new W&B "
+                             "run") from None
 
     def write(self, row: dict):
-        if row["step"] > self.logged_until:
+        if row["step"] > self.sent_before:  # (an evaluation's row shares its step with a training row)
             self.run.log(scalars(row), step=row["step"])
+            self.sent = row["step"]
+            atomic_save(f"{self.run_id} {self.sent}\n", self.state)
 
     def close(self):
         self.run.finish()
@@ -241,17 +259,13 @@ class MetricsLog:
             return
         out = Path(cfg.out_dir)
         path = out / METRICS
-        rows = read_metrics(path, warn_if_torn=False) if path.exists() else []
-        kept = [row for row in rows if row["step"] <= resume_step]
-        if path.exists():
-            atomic_save("".join(json.dumps(row) + "\n" for row in kept), path)
-        self.sinks.append(JsonlSink(path))
-        if cfg.tensorboard:
-            self.sinks.append(TensorBoardSink(out, cfg, resume_step))
-        if cfg.wandb:
-            self.sinks.append(WandbSink(out, cfg, logged_until=max((row["step"] for row in rows), default=0)))
-        if facts and not kept:
-            self.write({"step": 0, **facts})
+        kept = [row for row in read_metrics(path, warn_if_torn=False) if row["step"] <= resume_step]
+        kept = kept or ([{"step": 0, **facts}] if facts else [])  # a new run's first row
+        # the trackers first: one that cannot start (W&B without a login) stops the run before any write
+        trackers = [TensorBoardSink(out, cfg, kept)] if cfg.tensorboard else []
+        trackers += [WandbSink(out, cfg, kept)] if cfg.wandb else []
+        atomic_save("".join(json.dumps(row) + "\n" for row in kept), path)
+        self.sinks = [JsonlSink(path), *trackers]
 
     def write(self, row: dict):
         for sink in self.sinks:

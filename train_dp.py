@@ -52,6 +52,7 @@ def main():
         raw_model.compile()  # in place: the state_dict keeps its keys (no `_orig_mod.` prefix)
     optimizer, scheduler = training.make_optimizer(raw_model, cfg, total_steps)
     step = training.resume(ckpt, cfg, raw_model, optimizer, scheduler, steps_per_epoch)  # 0 for a new run
+    log = metrics.MetricsLog(cfg, enabled=is_main, resume_step=step, facts=train_ds.facts)  # and the trackers
     if is_main:
         checkpointing.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
     # DataParallel: one process drives every visible GPU
@@ -62,7 +63,6 @@ def main():
     loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
                         pin_memory=device.type == "cuda")
     val_loader = training.val_loader(val_ds, rank, world_size, micro_batch)
-    log = metrics.MetricsLog(cfg, enabled=is_main, resume_step=step, facts=train_ds.facts)  # and the trackers
     writer = checkpointing.CheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
     stop = launcher.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
     if is_main:
@@ -129,7 +129,6 @@ def main():
         if preempted:
             break
     pbar.close()
-    log.close()
     writer.wait()  # the last checkpoint is on disk before we go on
 
     if step == total_steps:  # the whole model's weights, for generate.py and export_hf.py
@@ -140,6 +139,7 @@ def main():
         trained = speedometer.trained + round(train_totals[1].item())  # and the steps since the last log
         print(metrics.summary(cfg, step, total_steps, first_step, trained, time.perf_counter() - started, loss,
                                val_loss, preempted, writer.checkpoint_at(step)))
+    log.close()  # the trackers' last writes (a W&B upload), once no rank waits for this one
 
 
 if __name__ == "__main__":

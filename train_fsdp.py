@@ -88,6 +88,7 @@ def main():
     training.init_weights(raw_model, cfg)  # FSDP: each rank now holds 1/world_size of every weight
     optimizer, scheduler = training.make_optimizer(raw_model, cfg, total_steps)
     step = training.resume(ckpt, cfg, raw_model, optimizer, scheduler, steps_per_epoch)  # 0 for a new run
+    log = metrics.MetricsLog(cfg, enabled=is_main, resume_step=step, facts=train_ds.facts)  # and the trackers
     if is_main:
         checkpointing.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
     model = raw_model  # FSDP: sharded in place, no wrapper
@@ -98,7 +99,6 @@ def main():
     loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
                         pin_memory=device.type == "cuda")
     val_loader = training.val_loader(val_ds, rank, world_size, micro_batch, same_length=True)  # FSDP: see there
-    log = metrics.MetricsLog(cfg, enabled=is_main, resume_step=step, facts=train_ds.facts)  # and the trackers
     writer = sharded_checkpointing.ShardedCheckpointWriter(cfg.out_dir, cfg.keep_checkpoints, prep)  # FSDP: all ranks
     stop = launcher.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
     if is_main:
@@ -135,8 +135,8 @@ def main():
 
         # ---- the optimizer step: clip, step, next LR, clear gradients ----
         # the gradient norm before clipping, logged as grad_norm (max_norm inf: no clipping)
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])  # FSDP: the shards' squares
-        grad_norm = grad_norm.full_tensor()  # summed over the ranks (one all-reduce); a DTensor to a tensor
+        grads = [p.grad for p in model.parameters() if p.grad is not None]  # FSDP: the shards'; their squares
+        grad_norm = torch.nn.utils.get_total_norm(grads).full_tensor()  # are summed over the ranks: one all-reduce
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.grad_clip or math.inf, grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -173,7 +173,6 @@ def main():
         if preempted:
             break
     pbar.close()
-    log.close()
     writer.wait()  # the last checkpoint is on disk before we go on
 
     if step == total_steps:  # the whole model's weights, for generate.py and export_hf.py
@@ -184,6 +183,7 @@ def main():
         trained = speedometer.trained + round(train_totals[1].item())  # and the steps since the last log
         print(metrics.summary(cfg, step, total_steps, first_step, trained, time.perf_counter() - started, loss,
                                val_loss, preempted, writer.checkpoint_at(step)))
+    log.close()  # the trackers' last writes (a W&B upload), once no rank waits for this one
     dist.destroy_process_group()
 
 

@@ -1,8 +1,8 @@
 """What the three scripts share: data preparation, model building, optimizer and schedule,
-resume, evaluation and metrics (the flags live in config.py; training.parse_args is
-config's). No DataParallel, DDP or FSDP call is made here: the scripts hold those, the
-parts that differ. (A few helpers work on whatever they are given, an FSDP model's
-sharded weights included: init_weights, weights_finite, evaluate.)
+resume and evaluation. The flags live in config.py (training.parse_args is config's), and
+what a run logs in metrics.py. No DataParallel, DDP or FSDP call is made here: the scripts
+hold those, the parts that differ. (A few helpers work on whatever they are given, an FSDP
+model's sharded weights included: init_weights, weights_finite, evaluate.)
 """
 
 import dataclasses
@@ -342,7 +342,7 @@ def resume(ckpt: dict | None, cfg: TrainConfig, model, optimizer, scheduler, ste
 
 
 # ---------------------------------------------------------------------------------------
-# Evaluation and metrics
+# Evaluation, and the checks on what is logged and saved
 
 
 @torch.no_grad()

@@ -4,7 +4,8 @@ FAULT picks the fault (or several, comma-separated), FAULT_STEP the optimizer st
 it strikes (counted by calls to AdamW.step, once per step), FAULT_RANK the rank (default
 0). It strikes in the
 first attempt only: after torchrun restarts the workers, the run goes on unharmed.
-    kill              SIGKILL this process (a dead GPU, the OOM killer)
+    kill              SIGKILL this process (a dead GPU, the OOM killer); with FAULT_AFTER_FILE, once
+                      that file exists (a checkpoint its background writer must finish first)
     sigterm-launcher  what `scancel` or a preempting scheduler does: SIGTERM to torchrun,
                       which forwards it to every worker. This rank also gets it at once.
     sigusr1           SIGUSR1 to this process (Slurm's warning before the time limit)
@@ -25,6 +26,10 @@ first attempt only: after torchrun restarts the workers, the run goes on unharme
                       waits until the divergence has been raised
     small-memory      this rank's device holds FAULT_BYTES of memory, all of it available
                       (memory.device_memory); FAULT_STEP is unused
+    stall-collective  (check_cluster.py) this rank never joins an all-reduce: it blocks forever at
+                      the first, as a rank whose network is cut would
+    other-torch       (check_cluster.py) this rank reports torch 2.99.0, as a node with another
+                      installation would; FAULT_STEP is unused
     none              no fault: the run as it is, only recorded
 Each process records how it ended in $FAULT_LOG_DIR/exit-rank<RANK>.txt. Whatever the fault
 patched is restored when the script ends, so that a test can run this in its own process.
@@ -57,6 +62,10 @@ def patch(obj, name, value):
 
 def strike():
     if "kill" in faults:
+        if "FAULT_AFTER_FILE" in os.environ:  # e.g. a checkpoint, written in the background: complete first
+            deadline = time.monotonic() + 120
+            while not Path(os.environ["FAULT_AFTER_FILE"]).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)
     if "sigterm-launcher" in faults:
         signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # this rank's copy arrives now
@@ -183,6 +192,12 @@ if "small-disk" in faults and armed:
 
     patch(FileSystem, "create_stream", small_disk_stream)
     patch(shutil, "disk_usage", small_disk_usage)
+
+if "stall-collective" in faults and armed:
+    patch(torch.distributed, "all_reduce", lambda *args, **kwargs: threading.Event().wait())
+
+if "other-torch" in faults and armed:
+    patch(torch, "__version__", "2.99.0")
 
 status = "exception"
 try:

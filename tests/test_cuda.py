@@ -129,3 +129,16 @@ def test_generate_on_the_gpu(runs):
     assert proc.stdout.startswith("the model") and len(proc.stdout) > len("the model\n")
     assert run_script("generate.py", [str(out), "--prompt", "the model", "--max-new-tokens", "16",
                                       "--temperature", "0"]).stdout == proc.stdout
+
+
+def test_the_cluster_check_on_a_gpu_reports_it_and_checks_nccl():
+    """One rank per GPU (as many as there are): the GPU's name, torch's CUDA and NCCL versions,
+    a correct all-reduce over NCCL and over gloo; with several GPUs, their bus bandwidth."""
+    gpus = torch.cuda.device_count()
+    proc = run_script("check_cluster.py", ["--timeout-seconds", "60"], nproc=gpus)
+    print(proc.stdout)
+    nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    rows = [line for line in proc.stdout.splitlines() if line[:1].isdigit()]
+    assert len(rows) == gpus and all(torch.cuda.get_device_name(0) in row and nccl in row for row in rows)
+    assert f"all-reduce over nccl: correct on every rank ({gpus})" in proc.stdout
+    assert f"all-reduce (gloo) over gloo: correct on every rank ({gpus})" in proc.stdout

@@ -442,12 +442,15 @@ def test_two_nodes_train_the_same_model_as_one_node_and_only_rank_0_writes(runs,
     assert not (tmp_path / "node1").exists()  # not even the folder
 
 
-@pytest.mark.parametrize("script_env, script_name", [({}, "train_ddp.py"),
-                                                     ({"SCRIPT": "train_fsdp.py"}, "train_fsdp.py")])
-def test_the_slurm_script_builds_the_torchrun_command_from_slurm_variables(tmp_path, script_env, script_name):
+@pytest.mark.parametrize("script_env, script_name, restarts", [
+    ({}, "train_ddp.py", 3), ({"SCRIPT": "train_fsdp.py"}, "train_fsdp.py", 3),
+    ({"SCRIPT": "check_cluster.py"}, "check_cluster.py", 0)])
+def test_the_slurm_script_builds_the_torchrun_command_from_slurm_variables(tmp_path, script_env, script_name,
+                                                                          restarts):
     """Stand-ins for srun and scontrol record what they are given. Since Slurm 22.05, srun no
     longer inherits --cpus-per-task from sbatch: the script passes it, or every launcher and
-    its workers would share one core."""
+    its workers would share one core. The cluster check runs once: a failed check is an
+    answer, not a fault to restart from."""
     script = REPO / "slurm" / "train.sbatch"
     subprocess.run(["bash", "-n", str(script)], check=True)  # it parses
     stubs = tmp_path / "bin"
@@ -463,7 +466,7 @@ def test_the_slurm_script_builds_the_torchrun_command_from_slurm_variables(tmp_p
     assert proc.stdout.splitlines() == [
         "signals=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--cpus-per-task=32", "torchrun", "--nnodes=2",
         "--nproc_per_node=8",
-        "--max-restarts=3", "--rdzv-id=4242", "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:29500",
+        f"--max-restarts={restarts}", "--rdzv-id=4242", "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:29500",
         script_name, "--model", "article", "--out-dir", "/shared/run"]
     directives = [line for line in script.read_text().splitlines() if line.startswith("#SBATCH")]
     assert "#SBATCH --ntasks-per-node=1" in directives and "#SBATCH --signal=USR1@120" in directives

@@ -81,6 +81,19 @@ def test_tokens_seen_counts_every_real_target_since_the_run_began(runs):
     assert train_ds.targets_before(8, cfg.batch_size, cfg.seed) == logged[-1]["tokens_seen"]
 
 
+def test_a_resume_counts_the_tokens_of_the_steps_before_it_in_every_epoch(runs):
+    """What a resumed run starts tokens_seen from (targets_before, counted from the samplers'
+    permutations) equals what the straight run summed step by step, in both of its epochs."""
+    epochs = ["--batch-size", "64", "--max-steps", "12", "--log-every", "1"]
+    out = runs("dp_two_epochs", "train_dp.py", epochs)  # test_training's run over an epoch boundary
+    cfg = training.parse_args(["--dataset", str(runs.corpus), *FAST, *epochs, "--out-dir", str(runs.root / "unused")])
+    train_text, val_text, _ = training.load_text(cfg)
+    train_ds, _ = training.make_datasets(cfg, data.load_tokenizer(out / "tokenizer.json"), train_text, val_text)
+    logged = {row["step"]: row["tokens_seen"] for row in rows_of(out) if "loss" in row}
+    assert len(logged) == 12 and {row["epoch"] for row in rows_of(out) if "loss" in row} == {0, 1}
+    assert {step: train_ds.targets_before(step, 64, cfg.seed) for step in logged} == logged
+
+
 def test_data_wait_fraction_is_the_share_of_step_time_spent_waiting_for_a_batch(monkeypatch):
     """The Speedometer's own clock: one interval of 2 steps, 3 s, 1 s of it inside waiting()."""
     clock = iter([100.0, 100.5, 101.5, 103.0, 103.0])  # start, wait begins, wait ends, row, next start
@@ -163,7 +176,8 @@ def test_tensorboard_serves_the_logged_scalars_and_a_resumed_run_one_value_per_s
     out = tmp_path / "run"
     args = ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), "--tensorboard"]
     killed = run_script("train_ddp.py", args, nproc=2, wrapper="tests/inject_fault.py", check=False,
-                        env={"FAULT": "kill", "FAULT_STEP": "7", "FAULT_LOG_DIR": str(tmp_path)})
+                        env={"FAULT": "kill", "FAULT_STEP": "7", "FAULT_LOG_DIR": str(tmp_path),
+                             "FAULT_AFTER_FILE": str(out / "checkpoint-00000004.pt")})
     assert killed.returncode != 0 and [r["step"] for r in rows_of(out) if "loss" in r] == [2, 4, 6]
     tags = sorted({key for row in rows_of(out) for key in metrics.scalars(row)})
     assert {"loss", "val_loss", "grad_norm", "tokens_seen", "data_wait_fraction", "lr"} <= set(tags)
@@ -207,7 +221,7 @@ def test_wandb_offline_holds_the_run_its_config_and_its_history_and_a_resume_con
     records = [record for session in sessions for record in wandb_records(session)]
     runs_seen = [r["run"] for r in records if r["type"] == "run"]
     assert {(r["run_id"], r["project"], r["display_name"]) for r in runs_seen} == {
-        ((out / "wandb-run.txt").read_text().strip(), "llama-tests", "fast")}
+        ((out / "wandb-run.txt").read_text().split()[0], "llama-tests", "fast")}
     config = runs_seen[0]["config"]["update"]
     assert config["lr"] == 1e-3 and config["seq_len"] == 32 and config["out_dir"] == str(out)
     by_step = {}
@@ -216,5 +230,6 @@ def test_wandb_offline_holds_the_run_its_config_and_its_history_and_a_resume_con
         by_step[item["_step"]] = item
     rows = rows_of(out)
     assert sorted(by_step) == sorted({row["step"] for row in rows}) == [0, 2, 4, 6, 8]
+    assert (out / "wandb-run.txt").read_text().split()[1] == "8"  # the last step sent
     for row in rows:
         assert {k: by_step[row["step"]][k] for k in metrics.scalars(row)} == metrics.scalars(row), row["step"]

@@ -1,0 +1,100 @@
+"""check_cluster.py: launched like training, it tells in seconds whether the ranks agree and
+communicate, and when they do not, which rank is the problem, in one line."""
+
+import datetime
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import check_cluster
+from conftest import REPO, launch_env
+from test_failures import fault_env
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+def no_traceback_of_ours(stderr: str) -> bool:
+    """torchrun prints a report of its own when a worker fails; no frame of our code is in it."""
+    return not any(f"{name}\", line" in stderr for name in ["check_cluster.py", "launcher.py"])
+
+
+def test_two_nodes_on_loopback_print_one_row_per_rank_a_correct_all_reduce_and_exit_0():
+    """Two torchrun launchers, one rank each, meeting through a c10d rendezvous on loopback,
+    as two machines would (test_failures.py trains the same way)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(minutes=2))
+    launchers = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
+         "--rdzv-id=check", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}",
+         "--rdzv-conf=is_host=false", str(REPO / "check_cluster.py"), "--timeout-seconds", "30"],
+        cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    try:
+        outputs = [launcher.communicate(timeout=120) for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs
+    printed = "".join(stdout for stdout, _ in outputs).splitlines()  # rank 0 prints, on whichever node it is
+    header = next(i for i, line in enumerate(printed) if line.startswith("rank "))
+    assert printed[header].split() == ["rank", "node", "host", "local_rank", "device", "torch", "cuda", "nccl"]
+    rows = [line.split() for line in printed[header + 1:header + 3]]
+    assert [row[:2] for row in rows] in ([["0", "0"], ["1", "1"]], [["0", "1"], ["1", "0"]])  # a rank on each node
+    assert all(row[-3:] == [torch.__version__, "-", "-"] and "CPU," in " ".join(row) for row in rows)
+    assert "all-reduce over gloo: correct on every rank (2)" in printed
+    bandwidth = next(line for line in printed if line.startswith("bus bandwidth, all-reduce all 2 ranks on 2 nodes: "))
+    assert len(bandwidth.split(" | ")) == 3 and all(part.endswith(" GB/s") for part in bandwidth.split(" | "))
+
+
+def test_a_rank_that_never_joins_ends_the_others_within_the_timeout_with_one_line_naming_it(tmp_path):
+    """Rank 1 blocks before the first all-reduce, as a rank cut off from the network would.
+    Rank 0 stops waiting after --timeout-seconds, names rank 1 and the settings in effect, and
+    the job ends; it does not hang until torch's 30-minute default."""
+    timeout = 5
+    env = launch_env({**fault_env(tmp_path, "stall-collective", step=0), "FAULT_RANK": "1",
+                      "NCCL_SOCKET_IFNAME": "lo"})
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(REPO / "tests" / "inject_fault.py"), str(REPO / "check_cluster.py"),
+                             "--timeout-seconds", str(timeout)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    table_printed = None
+    for line in proc.stdout:  # the table comes just before the all-reduce that rank 1 never joins
+        if line.startswith("1 "):
+            table_printed = time.monotonic()
+    _, stderr = proc.communicate(timeout=120)
+    ended = time.monotonic()
+    assert proc.returncode != 0 and table_printed is not None
+    assert ended - table_printed < timeout + 15, f"{ended - table_printed:.1f} s after the table"
+    [line] = error_lines(stderr)
+    assert line.startswith(f"error: all-reduce over gloo did not complete within {timeout} s: rank 1 of 2 never "
+                           "joined it (rank 0 did). Network settings: MASTER_ADDR="), stderr
+    assert " MASTER_PORT=" in line and " NCCL_SOCKET_IFNAME=lo" in line  # what was in effect
+    assert line.endswith(". What to try: docs/multi-node.md")
+    assert no_traceback_of_ours(stderr), stderr
+    print(f"ended {ended - table_printed:.1f} s after the table, {ended - started:.1f} s after the launch")
+
+
+def test_a_rank_with_another_torch_makes_the_check_exit_2_naming_the_rank_and_both_versions(tmp_path):
+    env = launch_env({**fault_env(tmp_path, "other-torch", step=0), "FAULT_RANK": "1"})
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(REPO / "tests" / "inject_fault.py"), str(REPO / "check_cluster.py"),
+                           "--timeout-seconds", "30"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert error_lines(proc.stderr) == [f"error: rank 1 has torch 2.99.0, rank 0 has {torch.__version__}: every rank "
+                                        "needs the same"], proc.stderr
+    assert "exitcode: 2" in proc.stderr and no_traceback_of_ours(proc.stderr)
+    assert "2.99.0" in proc.stdout  # the table shows it too
+
+
+def test_any_difference_in_gpu_kind_or_nccl_is_called_out():
+    a100 = {"node": 0, "host": "a", "local_rank": 0, "device": "A100", "gpu": "NVIDIA A100-SXM4-80GB",
+            "torch": "2.13.0", "cuda": "13.0", "nccl": "2.27.3"}
+    assert check_cluster.differences([a100, dict(a100, local_rank=1)]) is None
+    assert check_cluster.differences([a100, dict(a100, gpu="NVIDIA H100 80GB HBM3")]) == (
+        "rank 1 has gpu NVIDIA H100 80GB HBM3, rank 0 has NVIDIA A100-SXM4-80GB: every rank needs the same")
+    assert check_cluster.differences([a100, a100, dict(a100, nccl="2.21.5")]).startswith("rank 2 has nccl 2.21.5")
