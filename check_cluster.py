@@ -245,9 +245,13 @@ def main():
 
 def run():
     try:
-        launcher.exit_on_usage_error(main)  # bad flags or launch: one line, from rank 0
-    except Failed as e:
+        main()
+    except Failed as e:  # before any teardown: a process group with a collective in trouble may never tear down
         end(str(e), STORE)
+    except UsageError as e:  # bad flags or launch: every rank finds the same; rank 0 says it
+        if launcher.is_rank0():
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -98,3 +98,9 @@ def test_any_difference_in_gpu_kind_or_nccl_is_called_out():
     assert check_cluster.differences([a100, dict(a100, gpu="NVIDIA H100 80GB HBM3")]) == (
         "rank 1 has gpu NVIDIA H100 80GB HBM3, rank 0 has NVIDIA A100-SXM4-80GB: every rank needs the same")
     assert check_cluster.differences([a100, a100, dict(a100, nccl="2.21.5")]).startswith("rank 2 has nccl 2.21.5")
+
+
+def test_bad_flags_are_one_line_and_exit_2():
+    proc = subprocess.run([sys.executable, str(REPO / "check_cluster.py"), "--timeout-seconds", "0"], cwd=REPO,
+                          env=launch_env(), capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (2, "error: --timeout-seconds must be positive, got 0\n")
