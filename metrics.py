@@ -194,11 +194,15 @@ class TensorBoardSink:
         flags = "\n".join(f"| {k} | {v} |" for k, v in dataclasses.asdict(cfg).items())
         self.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, 0)
         for row in kept:
-            self.write(row)
+            self.add(row)
+        self.writer.flush()
 
-    def write(self, row: dict):
+    def add(self, row: dict):
         for key, value in scalars(row).items():
             self.writer.add_scalar(key, value, row["step"])
+
+    def write(self, row: dict):
+        self.add(row)
         self.writer.flush()  # on disk at once: the run is watched live, and a killed run loses nothing logged
 
     def close(self):
@@ -224,7 +228,8 @@ class WandbSink:
                              "`wandb login`, or keep the run on disk with WANDB_MODE=offline") from None
         self.run_id, self.sent_before = run_id, self.sent  # earlier sessions sent the steps up to sent_before
         for row in kept:
-            self.write(row)
+            self.send(row)
+        self.save_state()
 
     def read_state(self) -> tuple[str, int]:
         if not self.state.exists():
@@ -238,11 +243,17 @@ class WandbSink:
             raise UsageError(f"{self.state} does not hold a W&B run id and a step: remove it to start a new W&B "
                              "run") from None
 
-    def write(self, row: dict):
+    def send(self, row: dict):
         if row["step"] > self.sent_before:  # (an evaluation's row shares its step with a training row)
             self.run.log(scalars(row), step=row["step"])
             self.sent = row["step"]
-            atomic_save(f"{self.run_id} {self.sent}\n", self.state)
+
+    def save_state(self):
+        atomic_save(f"{self.run_id} {self.sent}\n", self.state)
+
+    def write(self, row: dict):
+        self.send(row)
+        self.save_state()
 
     def close(self):
         self.run.finish()

@@ -20,23 +20,25 @@ import data
 import metrics
 import training
 from conftest import FAST, FLOOR_MULTIPLE, assert_within, launch_env, run_script, script_in_process
+from conftest import metrics as rows_of  # the rows of a run's metrics.jsonl (this module imports metrics.py)
 from model import IGNORE_INDEX
 
 ONE_STEP = ["--max-steps", "1"]
 
 
-def rows_of(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def training_windows(runs, out: Path, extra=()) -> tuple:
+    """(the flags, the training dataset) of the run in `out`, made again here with its tokenizer."""
+    cfg = training.parse_args(["--dataset", str(runs.corpus), *FAST, *extra, "--out-dir", str(runs.root / "unused")])
+    train_text, val_text, _ = training.load_text(cfg)
+    train_ds, _ = training.make_datasets(cfg, data.load_tokenizer(out / "tokenizer.json"), train_text, val_text)
+    return cfg, train_ds
 
 
 def first_step_gradients(runs, out: Path) -> list[torch.Tensor]:
     """The gradients of step 1, computed here without the training loop: the seeded initial
     weights, the first global batch of the sampler's permutation, the mean over its real targets."""
-    cfg = training.parse_args(["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out.parent / "unused")])
-    train_text, val_text, _ = training.load_text(cfg)
-    tokenizer = data.load_tokenizer(out / "tokenizer.json")
-    train_ds, _ = training.make_datasets(cfg, tokenizer, train_text, val_text)
-    model = training.build_model(cfg, tokenizer.get_vocab_size(), torch.float32)
+    cfg, train_ds = training_windows(runs, out)
+    model = training.build_model(cfg, data.load_tokenizer(out / "tokenizer.json").get_vocab_size(), torch.float32)
     sampler = data.ResumableRandomSampler(train_ds, cfg.seed)
     sampler.set_epoch(0)
     x, y = torch.utils.data.default_collate([train_ds[i] for i in itertools.islice(sampler, cfg.batch_size)])
@@ -67,9 +69,7 @@ def test_tokens_seen_counts_every_real_target_since_the_run_began(runs):
     before its checkpoint from that order too: the exact-resume tests of test_failures.py
     compare its every row, tokens_seen included, with an uninterrupted run's.)"""
     out = runs("dp", "train_dp.py")
-    cfg = training.parse_args(["--dataset", str(runs.corpus), *FAST, "--out-dir", str(runs.root / "unused")])
-    train_text, val_text, _ = training.load_text(cfg)
-    train_ds, _ = training.make_datasets(cfg, data.load_tokenizer(out / "tokenizer.json"), train_text, val_text)
+    cfg, train_ds = training_windows(runs, out)
     sampler = data.ResumableRandomSampler(train_ds, cfg.seed)
     sampler.set_epoch(0)
     order = list(sampler)
@@ -86,9 +86,7 @@ def test_a_resume_counts_the_tokens_of_the_steps_before_it_in_every_epoch(runs):
     permutations) equals what the straight run summed step by step, in both of its epochs."""
     epochs = ["--batch-size", "64", "--max-steps", "12", "--log-every", "1"]
     out = runs("dp_two_epochs", "train_dp.py", epochs)  # test_training's run over an epoch boundary
-    cfg = training.parse_args(["--dataset", str(runs.corpus), *FAST, *epochs, "--out-dir", str(runs.root / "unused")])
-    train_text, val_text, _ = training.load_text(cfg)
-    train_ds, _ = training.make_datasets(cfg, data.load_tokenizer(out / "tokenizer.json"), train_text, val_text)
+    cfg, train_ds = training_windows(runs, out, epochs)
     logged = {row["step"]: row["tokens_seen"] for row in rows_of(out) if "loss" in row}
     assert len(logged) == 12 and {row["epoch"] for row in rows_of(out) if "loss" in row} == {0, 1}
     assert {step: train_ds.targets_before(step, 64, cfg.seed) for step in logged} == logged
