@@ -131,8 +131,9 @@ def main():
         if step % cfg.log_every == 0 or step == last_step:
             dist.all_reduce(train_totals[:1])  # loss sums of every rank (the counts are global already)
             loss = (train_totals[0] / train_totals[1]).item()  # token-weighted mean since last log
-            training.stop_if_diverged(step, cfg, loss=loss, grad_norm=grad_norm.item())  # real jobs: before logging
-            row = speedometer.row(step, epoch, loss, lr, grad_norm.item(), nonpad_tokens=train_totals[1].item())
+            norm = grad_norm.item()  # this step's
+            training.stop_if_diverged(step, cfg, loss=loss, grad_norm=norm)  # real jobs: before logging
+            row = speedometer.row(step, epoch, loss, lr, norm, nonpad_tokens=train_totals[1].item())
             log.write(row)  # to metrics.jsonl, and TensorBoard and W&B if asked for
             pbar.set_postfix(metrics.progress(row))
             train_totals.zero_()
