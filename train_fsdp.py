@@ -183,7 +183,7 @@ def main():
             checkpointing.atomic_save(full_state, Path(cfg.out_dir) / checkpointing.MODEL)
         trained = speedometer.trained + round(train_totals[1].item())  # and the steps since the last log
         print(metrics.summary(cfg, step, total_steps, first_step, trained, time.perf_counter() - started, loss,
-                               val_loss, preempted, writer.checkpoint_at(step)))
+                              val_loss, preempted, writer.checkpoint_at(step)))
     log.close()  # the trackers' last writes (a W&B upload), once no rank waits for this one
     dist.destroy_process_group()
 

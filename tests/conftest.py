@@ -289,9 +289,10 @@ def metrics(out_dir: Path) -> list[dict]:
 SPEED = {"tokens_per_s", "tokens_per_s_nonpad", "flops_per_token", "tflops", "mfu", "data_wait_fraction"}
 
 
-def without_speed(rows: list[dict]) -> list[dict]:
-    """Metrics rows without the timing fields, the only ones that differ between equal runs."""
-    return [{k: v for k, v in row.items() if k not in SPEED} for row in rows]
+def without_speed(rows: list[dict], leave_out=()) -> list[dict]:
+    """Metrics rows without the timing fields, the only ones that differ between equal runs,
+    and without the fields in leave_out (those a comparison makes apart)."""
+    return [{k: v for k, v in row.items() if k not in SPEED and k not in leave_out} for row in rows]
 
 
 # ---- Comparing two runs ----------------------------------------------------------------
@@ -355,8 +356,7 @@ def max_loss_diff(a: Path, b: Path) -> float:
     """loss_distance, after checking that a and b logged the same rows (steps, epochs,
     learning rates) and the same kinds of loss."""
     def rest(run):  # grad_norm: a norm rounds apart from the losses (test_metrics.py compares it)
-        rows = without_speed(metrics(run))
-        return [{k: v for k, v in row.items() if k not in LOSSES + ("grad_norm",)} for row in rows]
+        return without_speed(metrics(run), leave_out=LOSSES + ("grad_norm",))
     assert rest(a) == rest(b)
     assert [x is None for x in logged_losses(a)] == [y is None for y in logged_losses(b)]
     return loss_distance(a, b)

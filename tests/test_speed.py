@@ -83,8 +83,7 @@ def test_mfu_divides_by_the_peak_of_every_gpu_at_work(monkeypatch):
     assert peak_tflops(gpu, torch.float32) is None  # no MFU against a peak we don't use
     assert peak_tflops(torch.device("cpu"), torch.bfloat16) is None
     cfg = training.parse_args(["--batch-size", "64", "--seq-len", "512"])
-    speed = throughput(2.0, steps=10, cfg=cfg, nonpad_tokens=300_000, flops_per_token=10**9,
-                                peak=4 * 756)
+    speed = throughput(2.0, steps=10, cfg=cfg, nonpad_tokens=300_000, flops_per_token=10**9, peak=4 * 756)
     assert speed["tokens_per_s"] == 10 * 64 * 512 / 2.0 and speed["tokens_per_s_nonpad"] == 150_000
     assert speed["tflops"] == pytest.approx(163.84) and speed["flops_per_token"] == 10**9
     assert speed["mfu"] == pytest.approx(163.84 / (4 * 756))

@@ -363,7 +363,7 @@ def test_a_finished_run_ends_with_a_summary_of_steps_tokens_losses_and_files(run
 def test_the_summary_counts_only_the_steps_of_this_session():
     cfg = training.TrainConfig(out_dir="out", batch_size=64, seq_len=512)
     text = metrics.summary(cfg, step=3000, total_steps=10000, first_step=1000, trained=49_000_000, seconds=3725.4,
-                            loss=3.25, val_loss=None, preempted=True, checkpoint=Path("out/checkpoint.pt"))
+                           loss=3.25, val_loss=None, preempted=True, checkpoint=Path("out/checkpoint.pt"))
     assert text.splitlines() == [
         "stopped by a signal after step 3000 of 10000: 49,000,000 tokens (65,536,000 positions with padding) in "
         "1:02:05 | train loss 3.2500",
@@ -374,7 +374,7 @@ def test_the_summary_quotes_paths_so_its_commands_paste_into_a_shell():
     import shlex
     cfg = training.TrainConfig(out_dir="my runs/ü 1", batch_size=8, seq_len=32, dataset="c.txt")
     lines = metrics.summary(cfg, step=8, total_steps=8, first_step=0, trained=200, seconds=3.0, loss=1.0, val_loss=1.0,
-                             preempted=False, checkpoint=Path("my runs/ü 1/checkpoint.pt")).splitlines()
+                            preempted=False, checkpoint=Path("my runs/ü 1/checkpoint.pt")).splitlines()
     assert shlex.split(lines[2].split(":", 1)[1]) == ["python", "generate.py", "my runs/ü 1", "--prompt", "The "]
     assert shlex.split(lines[3].split(":", 1)[1]) == ["python", "export_hf.py", "my runs/ü 1", "my runs/ü 1-hf"]
     assert shlex.split(lines[4].split(":", 1)[1]) == ["python", "plot_metrics.py", "my runs/ü 1", "-o",
