@@ -163,7 +163,7 @@ def run_state(model, scheduler, cfg, step, train_ds) -> dict:
     return {
         "scheduler": scheduler.state_dict(),
         "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "steps_per_epoch": steps_per_epoch,
-        "framing": data.FRAMING,  # how documents became rows: a resume needs the same rows
+        "framing": data.framing(cfg.pack),  # how documents became rows: a resume needs the same rows
         "corpus": train_ds.corpus,  # what data the run trains on (corpus.fingerprint): a resume must match it
         # Nothing in training draws random numbers after initialization (the data order comes
         # from seed + epoch), but saving the generators keeps any future dropout exact too.

@@ -59,6 +59,8 @@ class TrainConfig:
                                           "the rest there: less memory, one more forward of the layers")
     seq_len: int | None = flag(None, "tokens per sequence (longer documents are cut into several)", minimum=1,
                                same_on_resume=True, type=int)
+    pack: bool = flag(False, "place several sequences in each row, each attending only to itself with positions "
+                      "from 0: almost no compute on padding where documents are shorter than --seq-len")
     batch_size: int | None = flag(None, "GLOBAL sequences per optimizer step (all ranks, all micro-batches)",
                                   minimum=1, same_on_resume=True, type=int)
     grad_accum: int = flag(1, "micro-batches per optimizer step", minimum=1)

@@ -24,6 +24,9 @@ Per process, in bytes:
   makes one layer's worth again at a time. The final norm keeps its input and output. The
   chunked LM head keeps the hidden states' gradient (chunked_loss.py); compiled, the plain
   formulation keeps the logits in the compute dtype and makes their gradient in backward.
+  Packed rows (--pack) add, once, each row's RoPE tables (fp32 cos and sin a token) and on a
+  CPU the attention mask (seq_len values a token, in the compute dtype); past one block of
+  queries (packed_attention.QUERY_BLOCK), each layer keeps a copy of its attention output.
   tests/test_memory.py checks this against what autograd really saves.
 """
 
@@ -37,6 +40,7 @@ from pathlib import Path
 import torch
 
 import chunked_loss
+import packed_attention
 from config import TrainConfig
 from errors import UsageError
 from launcher import warn
@@ -73,13 +77,21 @@ class Estimate:
 
 
 def activation_bytes_per_token(config: LlamaConfig, dtype: torch.dtype, checkpointing: bool = False,
-                               compiled: bool = False) -> int:
+                               compiled: bool = False, packed_seq_len: int | None = None, on_gpu: bool = False) -> int:
+    """packed_seq_len: the rows' length, for packed rows (--pack); None for one window a row."""
     C, I = config.hidden_size, config.intermediate_size
     per_layer = (4 * I + 10 * C) * dtype.itemsize + 16 * C
     layers = config.num_hidden_layers * 4 * C + per_layer if checkpointing else config.num_hidden_layers * per_layer
     final_norm = 8 * C + 4 + 8  # its fp32 input, output and norm, and the embedding's int64 token ids
     lm_head = 2 * config.vocab_size * dtype.itemsize if compiled else 4 * C
-    return layers + final_norm + lm_head
+    packing = 0
+    if packed_seq_len:
+        packing = 8 * config.head_dim  # each token's fp32 cos and sin (packed_attention: rows have their own)
+        if not on_gpu:  # the CPU's mask and, past one block of queries, the joined attention outputs
+            blocks = packed_seq_len > packed_attention.QUERY_BLOCK
+            packing += packed_seq_len * dtype.itemsize + blocks * C * dtype.itemsize * (
+                1 if checkpointing else config.num_hidden_layers)
+    return layers + final_norm + lm_head + packing
 
 
 Sizes = collections.namedtuple("Sizes", "parameters largest layer_matmuls layers_matmuls lm_head largest_group")
@@ -101,11 +113,12 @@ def _sizes(config_fields: tuple) -> Sizes:
 
 
 def estimate(config: LlamaConfig, micro_batch: int, seq_len: int, dtype: torch.dtype, shards: int = 1,
-             on_gpu: bool = False, checkpointing: bool = False, compiled: bool = False) -> Estimate:
+             on_gpu: bool = False, checkpointing: bool = False, compiled: bool = False,
+             packed: bool = False) -> Estimate:
     """What one process holds while it trains; shards: the ranks FSDP spreads the state over
     (1: one process, DataParallel, DDP); on_gpu: the device is a GPU, where AdamW is fused
     (training.make_optimizer) and saves copy the state into host memory; checkpointing:
-    --activation-checkpointing; compiled: --compile."""
+    --activation-checkpointing; compiled: --compile; packed: --pack."""
     n = _sizes(dataclasses.astuple(config))
     if dtype == torch.float32:
         copies = 0
@@ -125,7 +138,8 @@ def estimate(config: LlamaConfig, micro_batch: int, seq_len: int, dtype: torch.d
                     optimizer_temporaries=0 if on_gpu else 2 * 4 * -(-n.largest // shards), copies=copies,
                     logits=0 if compiled else chunk * config.vocab_size * (4 + low_precision),
                     head_gradient=0 if compiled else n.lm_head * (4 + (low_precision if shards > 1 else 0)),
-                    activations=tokens * activation_bytes_per_token(config, dtype, checkpointing, compiled))
+                    activations=tokens * activation_bytes_per_token(config, dtype, checkpointing, compiled,
+                                                                    seq_len if packed else None, on_gpu))
 
 
 def size(n_bytes: int) -> str:
@@ -183,7 +197,7 @@ class Check:
     before the corpus is tokenized or anything is written: refuses a model whose state alone
     exceeds the device's memory; warns when the whole estimate exceeds what is available now.
     shards: the ranks FSDP spreads the state over (1: DataParallel, DDP)."""
-    cfg: TrainConfig  # its --model, --seq-len, --compile and --activation-checkpointing
+    cfg: TrainConfig  # its --model, --seq-len, --compile, --activation-checkpointing and --pack
     micro_batch: int
     dtype: torch.dtype
     device: torch.device
@@ -194,7 +208,7 @@ class Check:
         config = LlamaConfig(vocab_size=vocab_size, **PRESETS[cfg.model])
         need = estimate(config, self.micro_batch, cfg.seq_len, self.dtype, self.shards,
                         on_gpu=self.device.type == "cuda", checkpointing=cfg.activation_checkpointing,
-                        compiled=cfg.compile)
+                        compiled=cfg.compile, packed=cfg.pack)
         total, available = device_memory(self.device)
         where = "GPU memory" if self.device.type == "cuda" else "CPU memory"
         held = "weights, gradients and AdamW state" + (", and the copy each save writes" if need.snapshot else "")

@@ -294,10 +294,12 @@ def describe(model: LlamaForPretraining, train_ds, steps_per_epoch: int, total_s
     ranks = f" x {torch.distributed.get_world_size()} ranks" if ddp else ""
     backend = f" ({torch.distributed.get_backend()})" if ddp else ""
     facts = train_ds.facts
+    packed = f", packed into {facts['rows']:,} rows" if cfg.pack else ""
     return (f"{model.num_parameters() / 1e6:.1f}M parameters | {facts['documents']:,} documents: all their "
-            f"{facts['tokens_per_epoch']:,} tokens an epoch, in {facts['windows']:,} windows of {cfg.seq_len} "
+            f"{facts['tokens_per_epoch']:,} tokens an epoch, in {facts['windows']:,} windows of {cfg.seq_len}{packed} "
             f"({facts['padding']:.1%} padding) | {steps_per_epoch} steps per epoch | {total_steps} steps | "
-            f"{micro_batch} sequences x {cfg.grad_accum} micro-steps per step{ranks} | device {device}{backend} "
+            f"{micro_batch} {'rows' if cfg.pack else 'sequences'} x {cfg.grad_accum} micro-steps per step{ranks} "
+            f"| device {device}{backend} "
             f"| {usable_cores()} usable CPU cores | {dtype}{' | compiled' if cfg.compile else ''}"
             f"{' | activation checkpointing' if cfg.activation_checkpointing else ''}")
 

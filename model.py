@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import chunked_loss
+import packed_attention
 from chunked_loss import IGNORE_INDEX
 
 
@@ -71,6 +72,12 @@ PRESETS = {
 }
 
 
+def compute_dtype(h: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls on h run in: autocast's where it is on, else h's own (under FSDP's
+    MixedPrecisionPolicy, the dtype the weights were gathered in)."""
+    return torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+
+
 class LlamaRMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -108,7 +115,9 @@ class LlamaRotaryEmbedding(nn.Module):
         self.cos.copy_(emb.cos())
         self.sin.copy_(emb.sin())
 
-    def forward(self, T: int, start: int = 0):
+    def forward(self, T: int, start: int = 0, position_ids=None):
+        if position_ids is not None:  # packed rows: each token's position in its own window
+            return self.cos[position_ids][:, None], self.sin[position_ids][:, None]  # (B, 1, T, D)
         return self.cos[start:start + T], self.sin[start:start + T]  # positions start .. start+T-1
 
 
@@ -118,7 +127,8 @@ def rotate_half(x):
 
 
 def apply_rotary_pos_emb(q, k, cos, sin):
-    # q: (B, H, T, D), k: (B, K, T, D), cos/sin: (T, D) broadcast over batch and heads.
+    # q: (B, H, T, D), k: (B, K, T, D), cos/sin: (T, D) broadcast over batch and heads, or
+    # (B, 1, T, D) over heads (packed rows: every row has its own positions).
     # Rotated in fp32, returned in the dtype q and k came in: under bf16, fp32 tables would
     # otherwise promote q and k to fp32 while v stays bf16, and attention would take its
     # fp32 path (on CUDA: every key/value head repeated, and fp32 copies kept for backward).
@@ -160,7 +170,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(C, self.num_kv_heads * D, bias=False)
         self.o_proj = nn.Linear(self.num_heads * D, C, bias=False)
 
-    def forward(self, x, cos, sin, kv_cache=None):
+    def forward(self, x, cos, sin, mask=None, kv_cache=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
@@ -174,8 +184,10 @@ class LlamaAttention(nn.Module):
         if kv_cache is not None:  # generation: the T new queries also see every cached position before them
             start = kv_cache.length
             k, v = kv_cache.append(k, v)  # (B, K, start + T, D)
-            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            seen = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, enable_gqa=True)
+        elif mask is not None:  # packed rows (--pack): each window attends only to itself (window_mask)
+            y = packed_attention.attention(q, k, v, mask)
         elif q.is_cuda and q.dtype == torch.float32:
             # On CUDA only the flash kernel takes enable_gqa, and only in bf16/fp16: in fp32 SDPA
             # would fall back to the math kernel, which stores the (B, H, T, T) scores. With each
@@ -209,17 +221,17 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
         self.activation_checkpointing = False  # LlamaForPretraining.enable_activation_checkpointing
 
-    def forward(self, h, cos, sin, kv_cache=None):
+    def forward(self, h, cos, sin, mask=None, kv_cache=None):
         if self.activation_checkpointing and torch.is_grad_enabled() and kv_cache is None:
             # Activation checkpointing: autograd keeps only this layer's inputs, and backward
             # runs the layer's forward again to get the rest. Non-reentrant, and inside this
             # module's forward: FSDP's hooks around it gather the weights once for both, and
             # compiling the layer compiles the recomputation too (torchtitan's order).
-            return checkpoint(self.layer, h, cos, sin, use_reentrant=False)
-        return self.layer(h, cos, sin, kv_cache)
+            return checkpoint(self.layer, h, cos, sin, mask, use_reentrant=False)
+        return self.layer(h, cos, sin, mask, kv_cache)
 
-    def layer(self, h, cos, sin, kv_cache=None):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache)  # pre-norm residual blocks
+    def layer(self, h, cos, sin, mask=None, kv_cache=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, kv_cache)  # pre-norm residual blocks
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h
 
@@ -232,12 +244,14 @@ class LlamaModel(nn.Module):
         self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config)
 
-    def forward(self, input_ids, kv_caches=None):
+    def forward(self, input_ids, position_ids=None, kv_caches=None):
         h = self.embed_tokens(input_ids)  # (B, T, C)
         start = kv_caches[0].length if kv_caches else 0  # position of input_ids[:, 0]
-        cos, sin = self.rotary_emb(input_ids.shape[1], start)
+        cos, sin = self.rotary_emb(input_ids.shape[1], start, position_ids)
+        # None: one sequence a row, and attention is causal over the whole row (is_causal)
+        mask = None if position_ids is None else packed_attention.window_mask(position_ids, compute_dtype(h))
         for layer, cache in zip(self.layers, kv_caches or [None] * len(self.layers)):
-            h = layer(h, cos, sin, cache)
+            h = layer(h, cos, sin, mask, cache)
         return self.norm(h)
 
 
@@ -260,7 +274,7 @@ class LlamaLMHead(nn.Linear):
             # to 0.95x its speed with as much memory, and the model they trained did not
             # learn, for a reason not yet found (docs/benchmarks.md): keep this branch.
             return F.cross_entropy(super().forward(h).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
-        dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+        dtype = compute_dtype(h)
         chunk = self.chunk_tokens or chunked_loss.chunk_tokens(self.out_features, h.device)
         return chunked_loss.chunked_loss(h, self.weight, targets, chunk, dtype)  # never all the logits at once
 
@@ -297,7 +311,7 @@ class LlamaForPretraining(nn.Module):
             elif isinstance(module, LlamaRMSNorm):
                 yield module.weight, torch.ones(module.weight.shape)
 
-    def forward(self, input_ids, targets=None, kv_caches=None):
+    def forward(self, input_ids, targets=None, position_ids=None, kv_caches=None):
         """input_ids: (B, T) token ids.
 
         Without targets: returns logits (B, T, V).
@@ -308,6 +322,11 @@ class LlamaForPretraining(nn.Module):
         (B, T, V) logits. Callers divide by the global token count themselves, which keeps
         the loss exact however the batch is split over replicas, ranks and micro-batches.
 
+        position_ids (B, T), packed rows only (--pack): each token's position in its own
+        window, restarting at 0 where a window starts; each window then attends only to
+        itself (window_mask). A row's structure travels with its row, so nn.DataParallel's
+        split of every input along the batch keeps it. None: one sequence a row, from 0.
+
         kv_caches (generation only, from new_kv_caches): input_ids continue the tokens
         already cached, and their keys and values are added to the caches.
         """
@@ -317,7 +336,7 @@ class LlamaForPretraining(nn.Module):
                              f"{self.config.max_position_embeddings}")
         device = input_ids.device.type
         with torch.autocast(device, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
-            h = self.base_model(input_ids, kv_caches)
+            h = self.base_model(input_ids, position_ids, kv_caches)
             if targets is None:
                 return self.lm_head(h)  # the logits (B, T, V)
             loss_sum = self.lm_head(h, targets)

@@ -103,13 +103,13 @@ def main():
             micro_batches = training.next_micro_batches(batches, cfg.grad_accum, device)
         # Real (non-pad) targets in this whole optimizer step. Dividing each micro-batch's
         # summed loss by this count weighs every token the same, however many pads there are.
-        n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
+        n_tokens = sum((y != IGNORE_INDEX).sum() for _, y, _ in micro_batches)
         dist.all_reduce(n_tokens)  # count the targets of every rank's share of the step
-        for i, (x, y) in enumerate(micro_batches):
+        for i, (x, y, position_ids) in enumerate(micro_batches):  # position_ids: see train_dp.py
             # Only the last micro-step all-reduces gradients; the others accumulate locally.
             # no_sync must wrap forward too, not just backward, or DDP syncs anyway.
             with model.no_sync() if i < cfg.grad_accum - 1 else contextlib.nullcontext():
-                loss_sum = model(x, y)[0].sum()
+                loss_sum = model(x, y, position_ids)[0].sum()
                 # DDP averages gradients over ranks; times world_size makes that a sum, so
                 # every token in the global step weighs the same, as in one process.
                 (loss_sum * world_size / n_tokens).backward()

@@ -87,9 +87,9 @@ def main():
             micro_batches = training.next_micro_batches(batches, cfg.grad_accum, device)
         # Real (non-pad) targets in this whole optimizer step. Dividing each micro-batch's
         # summed loss by this count weighs every token the same, however many pads there are.
-        n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
-        for x, y in micro_batches:
-            loss_sum = model(x, y)[0].sum()  # DataParallel returns one partial sum per GPU
+        n_tokens = sum((y != IGNORE_INDEX).sum() for _, y, _ in micro_batches)
+        for x, y, position_ids in micro_batches:  # position_ids: None, unless --pack put several windows in a row
+            loss_sum = model(x, y, position_ids)[0].sum()  # DataParallel: inputs split by row, a sum per GPU
             (loss_sum / n_tokens).backward()  # gradients accumulate over the micro-batches
             train_totals[0] += loss_sum.detach()
         train_totals[1] += n_tokens

@@ -123,12 +123,12 @@ def main():
             micro_batches = training.next_micro_batches(batches, cfg.grad_accum, device)
         # Real (non-pad) targets in this whole optimizer step. Dividing each micro-batch's
         # summed loss by this count weighs every token the same, however many pads there are.
-        n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
+        n_tokens = sum((y != IGNORE_INDEX).sum() for _, y, _ in micro_batches)
         dist.all_reduce(n_tokens)  # count the targets of every rank's share of the step
-        for x, y in micro_batches:
+        for x, y, position_ids in micro_batches:  # position_ids: None, unless --pack put several windows in a row
             # FSDP: no no_sync. Every micro-step reduce-scatters into the shards (torchtitan's choice):
             # syncing only the last would save traffic but hold whole, unsharded gradients till then.
-            loss_sum = model(x, y)[0].sum()
+            loss_sum = model(x, y, position_ids)[0].sum()
             (loss_sum * world_size / n_tokens).backward()  # FSDP averages over ranks too: times world_size, a sum
             train_totals[0] += loss_sum.detach()
         train_totals[1] += n_tokens

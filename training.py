@@ -122,13 +122,20 @@ def get_tokenizer(cfg: TrainConfig, train_text, resuming: bool) -> Tokenizer:
 
 
 def make_datasets(cfg: TrainConfig, tokenizer: Tokenizer, train_text, val_text, fingerprint: dict | None = None):
+    """The training and held-out datasets: every document's windows, one a row, or with --pack
+    several a row (the held-out ones too, so that evaluation costs what training does)."""
     pad_id = tokenizer.token_to_id(data.PAD)
-    train = data.PaddedSequenceDataset(data.tokenize(train_text, tokenizer, cfg.seq_len), cfg.seq_len, pad_id,
-                                       fingerprint, documents=len(train_text))
-    val = data.PaddedSequenceDataset(data.tokenize(val_text, tokenizer, cfg.seq_len), cfg.seq_len, pad_id,
-                                     documents=len(val_text), text_bytes=corpus.text_bytes(val_text))
+
+    def dataset(texts, **facts):
+        windows = data.tokenize(texts, tokenizer, cfg.seq_len)
+        if cfg.pack:
+            return data.PackedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts,
+                                              packing=data.pack(windows, cfg.seq_len, cfg.seed))
+        return data.PaddedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts)
+    train = dataset(train_text, corpus=fingerprint)
+    val = dataset(val_text, text_bytes=corpus.text_bytes(val_text))
     if len(train) < cfg.batch_size:  # not one step's worth
-        raise UsageError(f"dataset has {len(train)} training windows of --seq-len {cfg.seq_len} (from "
+        raise UsageError(f"dataset has {len(train)} training rows of --seq-len {cfg.seq_len} (from "
                          f"{len(train_text)} documents), fewer than one --batch-size of {cfg.batch_size}")
     return train, val
 
@@ -148,14 +155,9 @@ def val_loader(val_ds, rank: int, world_size: int, batch_size: int, same_length:
     indices = list(range(rank, len(val_ds), world_size))
     if same_length and len(indices) < -(-len(val_ds) // world_size):
         indices.append(-1)  # -1: the padding sequence
-    shard = [val_ds[i] if i >= 0 else _padding(val_ds) for i in indices] if same_length else \
+    shard = [val_ds[i] if i >= 0 else val_ds.padding_row() for i in indices] if same_length else \
         torch.utils.data.Subset(val_ds, indices)
     return torch.utils.data.DataLoader(shard, batch_size=batch_size)
-
-
-def _padding(ds: data.PaddedSequenceDataset):
-    x = torch.full((ds.seq_len,), ds.pad_id, dtype=torch.long)
-    return x, torch.full((ds.seq_len,), data.IGNORE_INDEX, dtype=torch.long)
 
 
 # ---------------------------------------------------------------------------------------
@@ -320,9 +322,14 @@ def resume(ckpt: dict | None, cfg: TrainConfig, model, optimizer, scheduler, ste
     for key, value in ckpt["model_config"].items():
         if ours.get(key) != value:
             raise UsageError(f"checkpoint's model has {key}={value}, this run's has {ours.get(key)}")
-    if ckpt.get("framing") != data.FRAMING:  # older checkpoints trained on each document's first seq_len tokens
+    if ckpt.get("framing") not in (data.FRAMING, data.PACKED_FRAMING):  # each document's first seq_len tokens
         raise UsageError(f"{Path(ckpt['path']).name} was trained on documents clipped to one row each (an earlier "
                          "version of this trainer); this one trains on every token, in windows: start a new run")
+    if ckpt["framing"] != data.framing(cfg.pack):  # other rows: its data position would point elsewhere
+        packed = ckpt["framing"] == data.PACKED_FRAMING
+        raise UsageError(f"{Path(ckpt['path']).name} was trained {'with' if packed else 'without'} --pack "
+                         f"(its rows hold {'several windows' if packed else 'one window'} each): resume "
+                         f"{'with' if packed else 'without'} --pack")
     if ckpt["steps_per_epoch"] != steps_per_epoch:
         raise UsageError(f"the dataset changed since the checkpoint ({steps_per_epoch} steps per epoch, "
                          f"was {ckpt['steps_per_epoch']})")
@@ -350,20 +357,24 @@ def evaluate(model, loader, device) -> torch.Tensor:
     """Return this process's [sum of token losses, number of targets] over `loader`."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for x, y in loader:
-        loss_sum, n_tokens = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+    for batch in loader:
+        loss_sum, n_tokens = model(*on_device(batch, device))
         totals += torch.stack([loss_sum.sum(), n_tokens.sum()])
     model.train()
     return totals
 
 
 def next_micro_batches(batches, grad_accum: int, device: torch.device) -> list:
-    """The grad_accum (inputs, targets) micro-batches of one optimizer step, on the device."""
-    micro_batches = []
-    for _ in range(grad_accum):
-        x, y = next(batches)
-        micro_batches.append((x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
-    return micro_batches
+    """The grad_accum micro-batches of one optimizer step, on the device (see on_device)."""
+    return [on_device(next(batches), device) for _ in range(grad_accum)]
+
+
+def on_device(batch, device: torch.device) -> tuple:
+    """(inputs, targets, position_ids) of a batch, on the device. position_ids: each token's
+    position in its window, for rows that hold several (--pack); else None."""
+    x, y, *packed = batch
+    position_ids = packed[0].to(device, non_blocking=True) if packed else None
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True), position_ids
 
 
 def weights_finite(model: torch.nn.Module) -> bool:

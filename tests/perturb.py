@@ -50,7 +50,8 @@ def perturbed(perturbation: str):
     calls = []
 
     def reversed_micro_batches(*args, **kwargs):
-        return [(x.flip(0), y.flip(0)) for x, y in real_next_micro_batches(*args, **kwargs)]
+        return [tuple(t if t is None else t.flip(0) for t in micro_batch)  # position_ids too, with --pack
+                for micro_batch in real_next_micro_batches(*args, **kwargs)]
 
     def one_dropped(*args, **kwargs):
         calls.append(1)

@@ -1,6 +1,6 @@
 """What only a GPU can show: NCCL, bf16 on tensor cores, torch.compile on CUDA, the SDPA
-kernels, DataParallel's replica threads, FSDP2 with NCCL. Skipped without a CUDA GPU; run
-them on one with
+kernels, flex attention (--pack), DataParallel's replica threads, FSDP2 with NCCL. Skipped
+without a CUDA GPU; run them on one with
 
     python -m pytest tests/test_cuda.py -v
 
@@ -13,10 +13,13 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import checkpointing
+import packed_attention
 import training
 from metrics import peak_tflops
-from conftest import FAST, load_weights, max_weight_diff, metrics, run_script
+from conftest import FAST, FLOOR_MULTIPLE, assert_within, load_weights, max_weight_diff, metrics, run_script
 from model import LlamaConfig, LlamaForPretraining
+from test_packing import (attended, attention_inputs, both_layouts, in_one_call, padded_reference,
+                          packed_in_padded_order, relative_distance, small_model, with_flex)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -46,8 +49,9 @@ def last_checkpoint_weights(out, tmp_path) -> dict:
     return torch.load(tmp_path / "gathered.pt", map_location="cpu", weights_only=True)["model"]
 
 
-def trains_resumes_and_loads(runs, tmp_path, script, nproc):
-    straight = runs(f"cuda_{script}", script, GPU_FAST, nproc=nproc)
+def trains_resumes_and_loads(runs, tmp_path, script, nproc, extra=()):
+    gpu_fast = [*GPU_FAST, *extra]
+    straight = runs(f"cuda_{script}{''.join(extra)}", script, gpu_fast, nproc=nproc)
     rows = [row for row in metrics(straight) if "loss" in row]
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5  # it learns
     if peak_tflops(torch.device("cuda", 0), torch.bfloat16):  # a GPU whose peak we know
@@ -60,9 +64,9 @@ def trains_resumes_and_loads(runs, tmp_path, script, nproc):
     assert all(v.dtype == torch.float32 and torch.equal(v, last[k].float()) for k, v in model.state_dict().items())
     # stopped at step 4 and resumed on the GPU: the same run, to GPU rounding
     half = tmp_path / "half"
-    run_script(script, ["--dataset", str(runs.corpus), *GPU_FAST, "--out-dir", str(half), "--stop-at-step", "4"],
+    run_script(script, ["--dataset", str(runs.corpus), *gpu_fast, "--out-dir", str(half), "--stop-at-step", "4"],
                nproc=nproc)
-    run_script(script, ["--dataset", str(runs.corpus), *GPU_FAST, "--out-dir", str(half), "--resume"], nproc=nproc)
+    run_script(script, ["--dataset", str(runs.corpus), *gpu_fast, "--out-dir", str(half), "--resume"], nproc=nproc)
     assert max_weight_diff(load_weights(straight), load_weights(half)) < 1e-2
     return straight
 
@@ -142,3 +146,69 @@ def test_the_cluster_check_on_a_gpu_reports_it_and_checks_nccl():
     assert len(rows) == gpus and all(torch.cuda.get_device_name(0) in row and nccl in row for row in rows)
     assert f"all-reduce over nccl: correct on every rank ({gpus})" in proc.stdout
     assert f"all-reduce (gloo) over gloo: correct on every rank ({gpus})" in proc.stdout
+
+
+# ---- --pack on the GPU: flex attention with a BlockMask (packed_attention) ---------------------
+
+def on_gpu(*tensors, dtype=None):
+    """Leaf copies on the GPU (floating ones in dtype, requiring grad where the original did)."""
+    return [t.detach().to("cuda", dtype if t.is_floating_point() and dtype else t.dtype).requires_grad_(t.requires_grad)
+            for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_attention_computes_the_packed_mask_forward_and_backward(dtype):
+    """Compiled flex attention under the BlockMask against the plain formulation (one SDPA call
+    under the whole mask), the output and the gradients of q, k and v. 600 positions: not a
+    multiple of flex's blocks of 128. The floor: the plain formulation by SDPA's math kernel
+    against its default one (the same sums, in another order)."""
+    if not packed_attention.FLEX_ON_CUDA:
+        pytest.skip("flex attention serves CUDA from torch 2.6")
+    inputs = on_gpu(*attention_inputs(600, D=64), dtype=dtype)
+    plain = attended(in_one_call, *inputs)
+    with sdpa_kernel(SDPBackend.MATH):
+        math = attended(in_one_call, *inputs)
+    floor = max(relative_distance(math, plain), torch.finfo(dtype).eps)
+    assert_within(f"flex vs SDPA, {dtype}", relative_distance(attended(with_flex, *inputs), plain), floor,
+                  FLOOR_MULTIPLE)
+
+
+def test_a_packed_row_on_the_gpu_computes_what_its_windows_compute_alone():
+    """test_packing's per-token proof on the GPU (fp32): packed rows through flex attention,
+    padded ones through SDPA's is_causal kernel. The floor: the padded rows under SDPA's math
+    kernel against its default one, or in reverse order."""
+    model = small_model().cuda()
+    padded, packed, packing = both_layouts()
+    padded, packed = on_gpu(*padded), on_gpu(*packed)
+    plain, floor = padded_reference(model, padded)
+    with sdpa_kernel(SDPBackend.MATH):
+        math, _ = padded_reference(model, padded)
+    floor = max(floor, relative_distance(math, plain))
+    assert_within("packed vs padded on the GPU", relative_distance(packed_in_padded_order(model, packed, packing,
+                                                                                          padded[1]), plain),
+                  floor, FLOOR_MULTIPLE)
+
+
+def test_train_dp_packed_in_bf16_with_compile_trains_resumes_and_writes_plain_weights(runs, tmp_path):
+    trains_resumes_and_loads(runs, tmp_path, "train_dp.py", nproc=0, extra=["--pack"])
+
+
+def test_train_fsdp_packed_with_each_layer_compiled(runs, tmp_path):
+    """FSDP compiles each decoder layer: flex attention runs inside the compiled layers, the
+    BlockMask is made once outside them."""
+    trains_resumes_and_loads(runs, tmp_path, "train_fsdp.py", nproc=1, extra=["--pack"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_dataparallel_scatters_the_row_structure_with_the_rows():
+    """Real nn.DataParallel over two GPUs: each replica gets its rows' position_ids and builds
+    its own BlockMask; the gathered loss is the one module's over the whole batch. The floor:
+    the whole batch in reverse order."""
+    model = small_model().cuda()
+    batch = on_gpu(*both_layouts()[1])
+    with torch.no_grad():
+        whole = model(*batch)[0]
+        flipped = model(*(t.flip(0) for t in batch))[0]
+        split = torch.nn.DataParallel(model, device_ids=[0, 1])(*batch)[0].sum()
+    floor = max(((flipped - whole).abs() / whole).item(), torch.finfo(torch.float32).eps)
+    assert_within("DataParallel vs one module", ((split - whole).abs() / whole).item(), floor, FLOOR_MULTIPLE)

@@ -17,7 +17,7 @@ from model import PRESETS, LlamaConfig, LlamaForPretraining
 from test_bad_inputs import refused_in_process
 
 
-def saved_for_backward(model, x, y) -> int:
+def saved_for_backward(model, x, y, position_ids=None) -> int:
     """Bytes of the tensors autograd saves in one forward, the weights themselves left out."""
     storages = {}
 
@@ -26,7 +26,7 @@ def saved_for_backward(model, x, y) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x, y)
+        model(x, y, position_ids)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     return sum(n for ptr, n in storages.items() if ptr not in weights)
 

@@ -282,8 +282,8 @@ def test_the_start_up_line_and_the_first_metrics_row_count_every_token_of_the_tr
     assert (f"| {len(train_text)} documents: all their {tokens:,} tokens an epoch, in {windows:,} windows of 32 "
             f"({padding:.1%} padding) |") in runs.output["dp"]
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-    assert first == {"step": 0, "documents": len(train_text), "windows": windows, "tokens_per_epoch": tokens,
-                     "padding": pytest.approx(padding)}
+    assert first == {"step": 0, "documents": len(train_text), "windows": windows, "rows": windows,
+                     "tokens_per_epoch": tokens, "padding": pytest.approx(padding)}
 
 
 def test_bits_per_byte_is_the_held_out_loss_over_the_bytes_of_the_held_out_text(runs):

@@ -1,0 +1,232 @@
+"""Measure --pack against one window a row, side by side in one run, on a FineWeb-shaped corpus.
+
+    python bench_packing.py                      # CPU: the tiny model; GPU: the article model, compiled, bf16
+    python bench_packing.py --seq-lens 512 1024 --mb 200
+
+The corpus is bench_data.py's (generated once, FineWeb's shape: log-normal document lengths,
+median about 1,800 characters) with its 50,000-token BPE. For each --seq-len, two layouts of
+the same windows: padded (one window a row, the default) and packed (--pack):
+  preparation   training.load_text + make_datasets on a fresh `datasets` cache, as the
+                trainers call them: packing adds its step to the same work, timed alone too
+  padding       the share of an epoch's positions that hold no token
+  loader        rows a second through the DataLoader as the trainers build it
+  training      optimizer steps of --batch-size rows (the model, dtype and compile of the
+                machine's default above), on batches drawn from each layout: positions/s
+                counts every position of the rows, real tokens/s only those with a target.
+                The two layouts take turns, --rounds times, each step on a batch of its
+                own; each figure is the median round.
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def parse_args():
+    import torch
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024])
+    p.add_argument("--model", default="article" if cuda else "tiny", help="model preset")
+    p.add_argument("--batch-size", type=int, default=64 if cuda else 8, help="rows a step, in both layouts")
+    p.add_argument("--steps", type=int, default=10 if cuda else 4, help="timed steps a round")
+    p.add_argument("--rounds", type=int, default=5 if cuda else 3, help="turns each layout takes")
+    p.add_argument("--mb", type=int, default=200, help="MB of text to generate")
+    p.add_argument("--data", help="a parquet file with a `text` column (default: generate one)")
+    p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "bench_data"),
+                   help="where the generated corpus is kept between runs (bench_data.py's)")
+    p.add_argument("--vocab-size", type=int, default=50000, help="BPE size (the article preset's)")
+    return p.parse_args()
+
+
+def prepare(path, tokenizer_path, seq_len, pack):
+    """make_datasets as the trainers call it, on a fresh cache: (seconds, of which packing's, train)."""
+    import bench_data
+    import data
+    import training
+    cfg = training.parse_args(["--dataset", str(path), "--seq-len", str(seq_len), "--tokenizer", str(tokenizer_path),
+                               *(["--pack"] if pack else [])])
+    bench_data.fresh_cache()
+    packing, real_pack = [], data.pack
+
+    def timed_pack(*args, **kwargs):  # the packing step alone: two whole preparations differ by more noise
+        start = time.perf_counter()
+        result = real_pack(*args, **kwargs)
+        packing.append(time.perf_counter() - start)
+        return result
+    data.pack = timed_pack
+    try:
+        start = time.perf_counter()
+        train_text, val_text, _ = training.load_text(cfg)
+        train, _ = training.make_datasets(cfg, data.load_tokenizer(tokenizer_path), train_text, val_text)
+        return time.perf_counter() - start, sum(packing), train
+    finally:
+        data.pack = real_pack
+
+
+def loader_rows_per_s(dataset, batch_size, seconds=5.0):
+    import torch
+    import data
+    sampler = data.ResumableRandomSampler(dataset, seed=0)
+    rows, start = 0, time.perf_counter()
+    for batch in torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True):
+        rows += len(batch[0])
+        if time.perf_counter() - start > seconds:
+            break
+    return rows / (time.perf_counter() - start)
+
+
+def batches(dataset, batch_size, n, device):
+    """n shuffled batches of the layout, on the device: (x, y, position_ids or None)."""
+    import torch
+    import data
+    import training
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=data.ResumableRandomSampler(dataset, 0),
+                                         drop_last=True)
+    return [training.on_device(batch, device) for batch, _ in zip(loader, range(n))]
+
+
+def trainer(args, vocab_size, seq_len, device):
+    """One optimizer step of the model the trainers build, on a batch: step(x, y, position_ids);
+    the dtype it computes in, and its FLOPs a token (metrics' count, for MFU)."""
+    import torch
+    import training
+    cfg = training.parse_args(["--model", args.model, "--seq-len", str(seq_len)])
+    dtype = training.compute_dtype("auto", device)
+    model = training.build_model(cfg, vocab_size, dtype, device)
+    if device.type == "cuda":
+        model.compile()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+    def step(x, y, position_ids):
+        loss_sum, n = model(x, y, position_ids)
+        (loss_sum.sum() / n.sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step, dtype, model.flops_per_token(seq_len)
+
+
+def timed_round(step, batches, device):
+    """(positions/s, real tokens/s) over a step on each batch."""
+    import torch
+    positions = tokens = 0
+    start = time.perf_counter()
+    for x, y, position_ids in batches:
+        step(x, y, position_ids)
+        positions, tokens = positions + y.numel(), tokens + (y != -100).sum()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    return positions / seconds, int(tokens) / seconds
+
+
+def attention_seconds(model: str, dtype, position_ids, repeats: int = 5) -> dict:
+    """Seconds of one attention forward and backward on random q, k, v of the model's heads,
+    with the packed rows' real position_ids: padded rows' is_causal kernel, packed rows' path
+    (packed_attention.attention: flex on CUDA, query blocks on a CPU), and the plain
+    formulation it replaces (one call under the whole mask). The median of `repeats`."""
+    import torch
+    import torch.nn.functional as F
+    import packed_attention
+    from model import PRESETS
+    shape = PRESETS[model]
+    B, T = position_ids.shape
+    H, K = shape["num_attention_heads"], shape["num_key_value_heads"]
+    D = shape["hidden_size"] // H
+    device = position_ids.device
+    q, k, v = (torch.randn(B, n, T, D, device=device, dtype=dtype, requires_grad=True) for n in (H, K, K))
+    dense = packed_attention.window_mask(position_ids.cpu(), dtype).to(device)  # a tensor on every device
+    paths = {"is_causal (padded)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+             "packed_attention (packed)": lambda: packed_attention.attention(
+                 q, k, v, packed_attention.window_mask(position_ids, dtype)),
+             "one call under the mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense,
+                                                                               enable_gqa=True)}
+    seconds = {}
+    for name, attend in paths.items():
+        times = []
+        for _ in range(repeats + 1):  # the first untimed (compiles flex on CUDA)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            attend().sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        seconds[name] = statistics.median(times[1:])
+    return seconds
+
+
+def main():
+    args = parse_args()
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    import datasets
+    import pyarrow.parquet as pq
+    import torch
+    import bench_data
+    import data
+    import metrics
+    datasets.logging.set_verbosity_error()
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+    path = Path(args.data) if args.data else Path(args.data_dir) / f"fineweb_like_{args.mb}mb.parquet"
+    if not path.exists():
+        print(f"writing {path} ...", flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        bench_data.generate(path, args.mb)
+    tokenizer_path = path.with_name(f"{path.stem}.bpe{args.vocab_size}.json")
+    if not tokenizer_path.exists():  # trained once on a sample, not timed (bench_data.py's)
+        texts = pq.read_table(path, columns=["text"]).column("text").to_pylist()[:20_000]
+        data.train_tokenizer(datasets.Dataset.from_dict({"text": texts}), args.vocab_size).save(str(tokenizer_path))
+    vocab_size = data.load_tokenizer(tokenizer_path).get_vocab_size()
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"{path.name} | BPE of {vocab_size:,} | {where} | torch {torch.__version__} | --model {args.model}, "
+          f"{args.batch_size} rows a step", flush=True)
+
+    for seq_len in args.seq_lens:
+        layouts = {}
+        for name, pack in (("padded", False), ("packed", True)):
+            seconds, packing, train = prepare(path, tokenizer_path, seq_len, pack)
+            layouts[name] = {"prep_s": seconds, "pack_s": packing, "facts": train.facts, "train": train,
+                             "loader_rows_per_s": loader_rows_per_s(train, args.batch_size)}
+        step, dtype, flops_per_token = trainer(args, vocab_size, seq_len, device)
+        for layout in layouts.values():  # every step a batch of its own: a fair sample of the padding
+            layout["batches"] = batches(layout["train"], args.batch_size, 2 + args.steps * args.rounds, device)
+            for x, y, position_ids in layout["batches"][:2]:  # warm-up (and compile) untimed
+                step(x, y, position_ids)
+            layout["rounds"] = []
+        for r in range(args.rounds):  # the layouts take turns: the machine's drift falls on both
+            for layout in layouts.values():
+                timed = layout["batches"][2 + r * args.steps:2 + (r + 1) * args.steps]
+                layout["rounds"].append(timed_round(step, timed, device))
+
+        print(f"\n--seq-len {seq_len}, {dtype}{', compiled' if device.type == 'cuda' else ''}")
+        print(f"  {'layout':<8}{'prep s':>8}{'rows':>11}{'padding':>9}{'loader rows/s':>15}{'positions/s':>13}"
+              f"{'real tokens/s':>15}")
+        for name, layout in layouts.items():
+            positions, tokens = (statistics.median(r[i] for r in layout["rounds"]) for i in (0, 1))
+            layout.update(positions_per_s=positions, tokens_per_s=tokens)
+            print(f"  {name:<8}{layout['prep_s']:8.1f}{layout['facts']['rows']:11,}{layout['facts']['padding']:9.1%}"
+                  f"{layout['loader_rows_per_s']:15,.0f}{positions:13,.0f}{tokens:15,.0f}")
+        padded, packed = layouts["padded"], layouts["packed"]
+        # the timed batches are a sample of the epoch's rows, and their padding varies: over a
+        # whole epoch, a layout trains its positions/s times the share of them that are tokens
+        epoch = [layout["positions_per_s"] * (1 - layout["facts"]["padding"]) for layout in (padded, packed)]
+        print(f"  packing: {packed['pack_s']:.1f} s, {packed['pack_s'] / padded['prep_s']:.1%} of the padded preparation")
+        print(f"  packed vs padded: preparation {packed['prep_s'] / padded['prep_s']:.2f}x the time, positions/s "
+              f"{packed['positions_per_s'] / padded['positions_per_s']:.2f}x, real tokens/s "
+              f"{packed['tokens_per_s'] / padded['tokens_per_s']:.2f}x (over an epoch's padding: "
+              f"{epoch[1] / epoch[0]:.2f}x)")
+        attention = attention_seconds(args.model, dtype, packed["batches"][0][2])
+        print(f"  attention alone, forward and backward ({args.batch_size} rows, the model's heads): "
+              + ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in attention.items()))
+        peak = metrics.peak_tflops(device, dtype)
+        if peak:  # a GPU whose bf16 peak metrics knows; the trainers' count of FLOPs a token, in both
+            print(f"  MFU on real tokens: padded {padded['tokens_per_s'] * flops_per_token / 1e12 / peak:.1%}, "
+                  f"packed {packed['tokens_per_s'] * flops_per_token / 1e12 / peak:.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,485 @@
+"""--pack: the windows of every document placed several to a row, each attending only to
+itself with its positions from 0. A packed row computes what its windows compute alone,
+so a packed run trains the model a padded one trains, with almost no compute on padding;
+and everything that holds for padded runs holds packed (DP, DDP, FSDP, accumulation,
+resume, evaluation, the memory estimate, compile, activation checkpointing)."""
+
+import json
+import os
+import re
+
+import datasets
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import corpus
+import data
+import memory
+import packed_attention
+import training
+from conftest import (FAST, FLOOR_MULTIPLE, assert_same_model, assert_within, load_weights, metrics, run_script,
+                      stopped_at_step_4,
+                      train)
+from data import PackedSequenceDataset, PaddedSequenceDataset
+from errors import UsageError
+from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, LlamaRotaryEmbedding
+from test_bad_inputs import refused_in_process
+from test_memory import saved_for_backward
+
+PACK = ["--pack"]
+
+
+# ---- the packing ----------------------------------------------------------------------------
+
+def one_item_at_a_time(sizes: np.ndarray, capacity: int, seed: int) -> list[list[int]]:
+    """Best-fit decreasing as it is usually written, the plain formulation that
+    data.best_fit_decreasing computes in groups: each item, largest first (ties in the seed's
+    shuffle), into the open bin with the least room that still holds it (of those, the one
+    that came to that room first), else into a new bin."""
+    shuffled = np.random.default_rng(seed).permutation(len(sizes))
+    order = shuffled[np.argsort(-sizes[shuffled], kind="stable")]
+    bins, room, since = [], [], []  # items, free positions, and when each bin came to its room
+    for clock, item in enumerate(order.tolist()):
+        fits = [b for b in range(len(bins)) if room[b] >= sizes[item]]
+        if fits:
+            b = min(fits, key=lambda b: (room[b], since[b]))
+        else:
+            b = len(bins)
+            bins.append([]), room.append(capacity), since.append(0)
+        bins[b].append(item)
+        room[b] -= int(sizes[item])
+        since[b] = clock
+    return bins
+
+
+@pytest.mark.parametrize("capacity", [16, 32, 100])
+def test_the_packing_is_best_fit_decreasing_placed_one_window_at_a_time(capacity):
+    rng = np.random.default_rng(capacity)
+    sizes = np.concatenate([rng.integers(1, capacity + 1, 300), rng.integers(1, capacity // 4, 300),
+                            np.full(20, capacity)])  # every size, many small ones, and full rows
+    order, per_bin = data.best_fit_decreasing(sizes, capacity, seed=5)
+    bins = np.split(order, np.cumsum(per_bin)[:-1])
+    assert [b.tolist() for b in bins] == one_item_at_a_time(sizes, capacity, seed=5)
+    assert sorted(order.tolist()) == list(range(len(sizes)))  # each window once, whole
+    assert max(sizes[b].sum() for b in bins) <= capacity
+    # the same on every rank and every run with the seed; another seed arranges them otherwise
+    again, _ = data.best_fit_decreasing(sizes, capacity, seed=5)
+    other, _ = data.best_fit_decreasing(sizes, capacity, seed=6)
+    assert np.array_equal(again, order) and not np.array_equal(other, order)
+
+
+def fineweb_shaped_windows(seq_len: int, documents: int = 30_000) -> np.ndarray:
+    """The positions each window of FineWeb-shaped documents fills (its targets): log-normal
+    lengths, median 1,808 characters, about 4.3 characters a token, each document [BOT] + ids
+    + [EOT] cut into windows of seq_len + 1 (all full but its last)."""
+    chars = np.random.default_rng(0).lognormal(np.log(1808), 1.0, documents).clip(200, 100_000)
+    targets = np.round(chars / 4.3).astype(np.int64) + 1
+    full, last = np.divmod(targets, seq_len)
+    return np.concatenate([np.full(full.sum(), seq_len), last[last > 0]])
+
+
+@pytest.mark.parametrize("seq_len, padded_share", [(512, 0.28), (1024, 0.48)])
+def test_packing_leaves_under_2_percent_padding_where_one_window_a_row_leaves_28_to_48(seq_len, padded_share):
+    sizes = fineweb_shaped_windows(seq_len)
+    assert 1 - sizes.sum() / (len(sizes) * seq_len) == pytest.approx(padded_share, abs=0.02)
+    _, per_row = data.best_fit_decreasing(sizes, seq_len, seed=1337)
+    assert 1 - sizes.sum() / (len(per_row) * seq_len) < 0.02
+
+
+def stored_windows(lengths, seed=0, vocab_size=60_000) -> datasets.Dataset:
+    """Windows as data.tokenize stores them (uint16), read through an index mapping."""
+    rng = np.random.default_rng(seed)
+    ids = [[1, *rng.integers(3, vocab_size, n - 2).tolist(), 2] for n in lengths]
+    stored = datasets.Dataset.from_dict({"input_ids": ids}, features=datasets.Features(
+        {"input_ids": datasets.Sequence(datasets.Value("uint16"))}))
+    return stored.shuffle(seed=0).select(range(len(ids) - 5))
+
+
+def test_a_packed_row_is_its_windows_as_each_reads_alone_one_after_another_then_padding():
+    """Each window's inputs and targets as PaddedSequenceDataset gives them in a row of its own,
+    its positions from 0; then padding, whose targets are ignored and whose positions start a
+    window of their own. Every token of every window is a target once."""
+    lengths = np.random.default_rng(1).integers(2, 18, 300).tolist() + [17] * 20  # up to seq_len + 1
+    windows = stored_windows(lengths)
+    padded = PaddedSequenceDataset(windows, seq_len=16, pad_id=0)
+    packed = PackedSequenceDataset(windows, seq_len=16, pad_id=0, packing=data.pack(windows, 16, seed=3))
+    assert len(packed) < 0.7 * len(padded)
+    rows = torch.utils.data.DataLoader(packed, batch_size=len(packed))  # read a batch at a time (__getitems__)
+    (x, y, position_ids), = list(rows)
+    placed = []
+    for r in range(len(packed)):
+        col = 0
+        for w in packed.packing[r]["windows"]:
+            wx, wy = padded[w]
+            n = int((wy != IGNORE_INDEX).sum())
+            assert torch.equal(x[r, col:col + n], wx[:n]) and torch.equal(y[r, col:col + n], wy[:n])
+            assert torch.equal(position_ids[r, col:col + n], torch.arange(n))
+            col, placed = col + n, placed + [w]
+        assert (x[r, col:] == 0).all() and (y[r, col:] == IGNORE_INDEX).all()
+        assert torch.equal(position_ids[r, col:], torch.arange(16 - col))
+    assert sorted(placed) == list(range(len(windows)))
+    assert packed.targets.tolist() == (y != IGNORE_INDEX).sum(1).tolist()
+    assert packed.facts["tokens_per_epoch"] == padded.facts["tokens_per_epoch"]
+    assert packed.facts["rows"] == len(packed) and packed.facts["windows"] == len(windows)
+
+
+def test_packing_happens_once_and_is_read_back_from_the_cache(tmp_path):
+    (tmp_path / "c.txt").write_text("\n".join(f"document {i} " + "word " * (i % 37) for i in range(200)) + "\n")
+    texts = corpus.load_corpus(str(tmp_path / "c.txt"))
+    tokenizer = data.train_tokenizer(texts, vocab_size=300)
+    windows = data.tokenize(texts, tokenizer, seq_len=16)
+    first = data.pack(windows, 16, seed=1)
+    written = [os.stat(f["filename"]) for f in first.cache_files]
+    second = data.pack(windows, 16, seed=1)  # what the other ranks and later runs do
+    assert first.cache_files and first.cache_files == second.cache_files
+    assert [(st.st_ino, st.st_mtime_ns) for st in map(os.stat, (f["filename"] for f in second.cache_files))] == \
+        [(st.st_ino, st.st_mtime_ns) for st in written]
+    assert data.pack(windows, 16, seed=2).cache_files != first.cache_files  # another seed: another packing
+
+
+# ---- the attention ----------------------------------------------------------------------------
+
+def attention_inputs(T, B=3, H=4, K=2, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, n, T, D, generator=g, requires_grad=True) for n in (H, K, K))
+    lengths = torch.randint(1, T, (B, T), generator=g)
+    position_ids = torch.stack([torch.cat([torch.arange(n) for n in row.tolist()])[:T] for row in lengths])
+    return q, k, v, position_ids
+
+
+def attended(attend, q, k, v, position_ids, flip=False, backward=True) -> list[torch.Tensor]:
+    """attend(q, k, v, position_ids)'s output and the gradients of its sum of squares; flip:
+    computed on the batch in reverse order (the same sums, added in another order), put back."""
+    y = attend(*(t.flip(0) for t in (q, k, v, position_ids))).flip(0) if flip else attend(q, k, v, position_ids)
+    return [y.detach(), *(torch.autograd.grad((y * y).sum(), (q, k, v)) if backward else [])]
+
+
+def in_one_call(q, k, v, position_ids):
+    """The plain formulation: one scaled_dot_product_attention over every key, under the mask."""
+    mask = packed_attention.window_mask(position_ids, q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def in_query_blocks(q, k, v, position_ids):
+    return packed_attention.attention_in_query_blocks(q, k, v, packed_attention.window_mask(position_ids, q.dtype))
+
+
+def with_flex(q, k, v, position_ids):
+    return packed_attention.flex_attention(q, k, v, packed_attention._flex_block_mask((position_ids == 0).cumsum(1)))
+
+
+def assert_far(what: str, distance: float, floor: float):
+    """A mutant's distance: far beyond the bound the real code is held to (100 x FLOOR_MULTIPLE x the floor)."""
+    print(f"{what} {distance:.2e} = {distance / floor:.0f}x the floor {floor:.2e}")
+    assert distance > 100 * FLOOR_MULTIPLE * floor, f"{what} {distance:.3e} is within reach of the floor {floor:.3e}"
+
+
+def relative_distance(a, b):
+    return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b))
+
+
+def test_queries_in_blocks_equal_one_call_with_the_whole_mask_forward_and_backward():
+    """What attention_in_query_blocks replaces: one call over every key. 600 positions: three
+    blocks of queries, the last one short. The floor: one call on the batch in reverse order."""
+    inputs = attention_inputs(600)
+    plain = attended(in_one_call, *inputs)
+    floor = max(relative_distance(attended(in_one_call, *inputs, flip=True), plain), torch.finfo(torch.float32).eps)
+    assert_within("query blocks vs one call", relative_distance(attended(in_query_blocks, *inputs), plain),
+                  floor, FLOOR_MULTIPLE)
+
+
+@pytest.mark.compile
+def test_cudas_flex_attention_block_mask_computes_what_the_cpus_mask_computes():
+    """CUDA's path (a BlockMask from the same positions, compiled flex attention), run here on
+    the CPU, where flex attention computes forward only. Its backward: tests/test_cuda.py."""
+    q, k, v, position_ids = attention_inputs(200)
+    inputs = q.detach(), k.detach(), v.detach(), position_ids  # no backward on the CPU: none may require one
+    with torch.no_grad():
+        plain = attended(in_one_call, *inputs, backward=False)
+        floor = max(relative_distance(attended(in_one_call, *inputs, flip=True, backward=False), plain),
+                    torch.finfo(torch.float32).eps)
+        flex = attended(with_flex, *inputs, backward=False)
+    assert_within("flex attention vs one call", relative_distance(flex, plain), floor, FLOOR_MULTIPLE)
+
+
+# ---- the model ------------------------------------------------------------------------------
+
+def small_model(layers=2):
+    torch.manual_seed(0)
+    return LlamaForPretraining(LlamaConfig(vocab_size=300, max_position_embeddings=512, hidden_size=64,
+                                           intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                                           num_key_value_heads=2))
+
+
+def both_layouts(seq_len=300, seed=0):
+    """The same windows one to a row (padded) and several to a row (packed): 300 positions, two
+    blocks of queries; windows of every length up to a row. Returns both batches and the packing."""
+    lengths = np.random.default_rng(seed).integers(2, seq_len + 2, 40).tolist()
+    windows = stored_windows(lengths, seed, vocab_size=300)  # small_model's
+    padded = PaddedSequenceDataset(windows, seq_len, pad_id=0)
+    packed = PackedSequenceDataset(windows, seq_len, pad_id=0, packing=data.pack(windows, seq_len, seed))
+    assert len(packed) < len(padded)
+    return (torch.utils.data.default_collate(padded.__getitems__(list(range(len(padded))))),
+            torch.utils.data.default_collate(packed.__getitems__(list(range(len(packed))))), packed.packing)
+
+
+def per_token_losses_and_gradients(model, x, y, position_ids=None):
+    """Each real target's loss, in the order the targets come row after row, and the gradients
+    of their sum."""
+    model.zero_grad(set_to_none=True)
+    logits = model(x, position_ids=position_ids)
+    real = y != IGNORE_INDEX
+    losses = F.cross_entropy(logits[real], y[real], reduction="none")
+    losses.sum().backward()
+    return [losses.detach(), *(p.grad.clone() for p in model.parameters())]
+
+
+def padded_reference(model, padded):
+    """The padded layout's per-token losses and gradients, and the floor: the same computed
+    with the rows in reverse order (the same tokens, summed in another order)."""
+    x, y = padded
+    plain = per_token_losses_and_gradients(model, x, y)
+    flipped = per_token_losses_and_gradients(model, x.flip(0), y.flip(0))
+    # the flipped run lists the rows' targets in reverse row order: put them back
+    counts = (y != IGNORE_INDEX).sum(1).tolist()
+    flipped[0] = torch.cat(list(reversed(flipped[0].split(counts[::-1]))))
+    floor = max(relative_distance(flipped, plain), torch.finfo(torch.float32).eps)
+    return plain, floor
+
+
+def packed_in_padded_order(model, packed, packing, padded_y):
+    """The packed layout's per-token losses, reordered to the padded layout's (window by window)."""
+    x, y, position_ids = packed
+    result = per_token_losses_and_gradients(model, x, y, position_ids)
+    fills = (padded_y != IGNORE_INDEX).sum(1).tolist()  # each window's targets
+    order = [w for r in range(len(packing)) for w in packing[r]["windows"]]
+    by_window = dict(zip(order, result[0].split([fills[w] for w in order])))
+    result[0] = torch.cat([by_window[w] for w in range(len(fills))])
+    return result
+
+
+def test_a_packed_row_computes_exactly_what_its_windows_compute_alone(monkeypatch):
+    """Per token, the loss of every target, and every gradient, against the same windows one
+    to a row, within FLOOR_MULTIPLE x the floor measured here; and a mask that lets a window
+    see the windows before it in its row is caught by that bound."""
+    model = small_model()
+    padded, packed, packing = both_layouts()
+    plain, floor = padded_reference(model, padded)
+    distance = relative_distance(packed_in_padded_order(model, packed, packing, padded[1]), plain)
+    assert_within("packed vs padded", distance, floor, FLOOR_MULTIPLE)
+
+    real_mask = packed_attention.window_mask
+    monkeypatch.setattr(packed_attention, "window_mask",  # the mutant: one window a row, every earlier token seen
+                        lambda position_ids, dtype: real_mask(torch.zeros_like(position_ids[:, :1]).expand_as(
+                            position_ids).cumsum(1), dtype))
+    leaking = relative_distance(packed_in_padded_order(model, packed, packing, padded[1]), plain)
+    assert_far("a leaking mask vs padded", leaking, floor)
+
+
+def rotated_queries_and_keys(model, x, position_ids=None) -> list[torch.Tensor]:
+    """The first layer's queries and keys after RoPE, (B, T, heads x D) each."""
+    import model as model_module
+    seen, real = [], model_module.apply_rotary_pos_emb
+
+    def record(q, k, cos, sin):
+        seen.append([t.transpose(1, 2).flatten(2) for t in real(q, k, cos, sin)])
+        return real(q, k, cos, sin)
+    model_module.apply_rotary_pos_emb = record
+    try:
+        with torch.no_grad():
+            model(x, position_ids=position_ids)
+    finally:
+        model_module.apply_rotary_pos_emb = real
+    return seen[0]
+
+
+def test_each_window_is_rotated_from_position_0_as_it_is_alone(monkeypatch):
+    """RoPE sees only the distance between a query and a key, so positions that ran on across
+    the row would change the losses by rounding alone; but they would rotate every query and
+    key of a later window by other angles. Each window's are those of its own row, to rounding,
+    and the positions running on are caught."""
+    model = small_model()
+    (x, y), (px, py, position_ids), packing = both_layouts()
+    alone = rotated_queries_and_keys(model, x)
+    fills = (y != IGNORE_INDEX).sum(1).tolist()
+    order = [w for r in range(len(packing)) for w in packing[r]["windows"]]
+
+    def distance(packed):
+        worst = 0.0
+        for a, p in zip(alone, packed):
+            tokens = p[py != IGNORE_INDEX].split([fills[w] for w in order])  # row after row, each row's windows in turn
+            for w, t in zip(order, tokens):
+                worst = max(worst, ((t - a[w, :fills[w]]).abs().max() / a[w].abs().max()).item())
+        return worst
+
+    floor = torch.finfo(torch.float32).eps
+    assert_within("rotated q and k, packed vs alone", distance(rotated_queries_and_keys(model, px, position_ids)),
+                  floor, FLOOR_MULTIPLE)
+    rope = LlamaRotaryEmbedding.forward
+    monkeypatch.setattr(LlamaRotaryEmbedding, "forward",  # the mutant: positions 0 .. T - 1 along the whole row
+                        lambda self, T, start=0, position_ids=None: rope(self, T, start))
+    running_on = distance(rotated_queries_and_keys(model, px, position_ids))
+    assert_far("positions running on vs alone", running_on, floor)
+
+
+def test_rows_split_by_dataparallel_compute_what_the_whole_batch_computes():
+    """nn.DataParallel splits every input along the batch, one part a GPU: a packed row's
+    structure (its position_ids) travels with its row, and no replica needs another's rows.
+    The CPU has no replicas: the batch is split here as DataParallel's scatter splits it.
+    The floor: the whole batch in reverse order."""
+    model = small_model()
+    _, batch, _ = both_layouts()
+    with torch.no_grad():
+        whole = model(*batch)
+        flipped = model(*(t.flip(0) for t in batch))
+        parts = [model(*inputs) for inputs in zip(*(t.chunk(3) for t in batch))]
+    loss_sums, counts = (torch.cat(column) for column in zip(*parts))
+    assert counts.sum() == whole[1]
+    floor = max(((flipped[0] - whole[0]).abs() / whole[0]).item(), torch.finfo(torch.float32).eps)
+    assert_within("split rows vs the whole batch", ((loss_sums.sum() - whole[0]).abs() / whole[0]).item(), floor,
+                  FLOOR_MULTIPLE)
+
+
+def test_activation_checkpointing_recomputes_a_packed_row_bitwise():
+    _, (x, y, position_ids), _ = both_layouts()
+    grads = []
+    for checkpointing in (False, True):
+        model = small_model()
+        if checkpointing:
+            model.enable_activation_checkpointing()
+        model(x, y, position_ids)[0].sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.compile
+def test_a_compiled_model_computes_a_packed_row_as_the_eager_one_does():
+    """Compiled (the mask and the query blocks traced with the model), against eager, per token
+    and every gradient, within the floor of the eager padded layout."""
+    model = small_model()
+    padded, packed, packing = both_layouts()
+    _, floor = padded_reference(model, padded)
+    eager = packed_in_padded_order(model, packed, packing, padded[1])
+    model.compile()
+    compiled = packed_in_padded_order(model, packed, packing, padded[1])
+    assert_within("compiled vs eager, packed", relative_distance(compiled, eager), floor, FLOOR_MULTIPLE)
+
+
+# ---- memory ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seq_len", [64, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_estimate_counts_what_a_packed_token_adds_to_what_autograd_saves(seq_len, dtype):
+    """Packed rows save their own RoPE tables and the mask once, and past one block of queries
+    each layer's joined attention output: per token, exactly what the estimate adds."""
+    model = small_model(layers=3)
+    model.compute_dtype = dtype
+    extra = {}
+    for B in (2, 4):
+        x = torch.randint(3, 300, (B, seq_len))
+        position_ids = torch.cat([torch.arange(seq_len // 3), torch.arange(seq_len - seq_len // 3)]).expand(B, -1)
+        extra[B] = saved_for_backward(model, x, x, position_ids) - saved_for_backward(model, x, x)
+    per_token = (extra[4] - extra[2]) / (2 * seq_len)
+    estimated = (memory.activation_bytes_per_token(model.config, dtype, packed_seq_len=seq_len)
+                 - memory.activation_bytes_per_token(model.config, dtype))
+    assert estimated == per_token
+
+
+# ---- training runs --------------------------------------------------------------------------
+
+def test_packed_rows_fill_the_start_up_line_and_the_first_metrics_row(runs):
+    out, padded = runs("dp_pack", "train_dp.py", PACK), runs("dp", "train_dp.py")
+    facts, padded_facts = metrics(out)[0], metrics(padded)[0]
+    assert facts["windows"] == padded_facts["windows"] == padded_facts["rows"]
+    assert facts["tokens_per_epoch"] == padded_facts["tokens_per_epoch"]
+    assert facts["rows"] < facts["windows"]
+    assert facts["padding"] == pytest.approx(1 - facts["tokens_per_epoch"] / (facts["rows"] * 32))
+    assert facts["padding"] < 0.05 < padded_facts["padding"]
+    assert (f"in {facts['windows']:,} windows of 32, packed into {facts['rows']:,} rows "
+            f"({facts['padding']:.1%} padding) |") in runs.output["dp_pack"]
+
+
+def test_packed_runs_train_the_same_model_under_ddp_with_accumulation_and_under_fsdp(runs, floor):
+    one = runs("dp_pack", "train_dp.py", PACK)
+    assert_same_model(runs("ddp2_pack_accum2", "train_ddp.py", [*PACK, "--grad-accum", "2"], nproc=2), one, floor)
+    assert_same_model(runs("fsdp2_pack", "train_fsdp.py", PACK, nproc=2), one, floor)
+    rows = [row for row in metrics(one) if "loss" in row]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5  # it learns
+    # tokens_seen: the real targets of the rows trained so far, in the sampler's order
+    cfg, train_ds = packed_datasets(runs, one)[:2]
+    assert [row["tokens_seen"] for row in rows] == [train_ds.targets_before(row["step"], 8, cfg.seed) for row in rows]
+
+
+def test_a_packed_run_resumes_bitwise_across_an_epoch_boundary(runs, tmp_path):
+    """Stopped at step 2 and resumed, a packed run reshuffles its rows for epoch 1 exactly as a
+    straight run does (the packing is the same in every run with the same seed)."""
+    epochs = [*PACK, "--batch-size", "128", "--max-steps", "6", "--log-every", "1", "--save-every", "2",
+              "--eval-every", "2"]
+    straight = runs("dp_pack_epochs", "train_dp.py", epochs)
+    per_epoch = int(re.search(r"\| (\d+) steps per epoch \|", runs.output["dp_pack_epochs"]).group(1))
+    assert 2 < per_epoch < 6  # stopped at 2, resumed across the boundary
+    assert [row["epoch"] for row in metrics(straight) if "loss" in row] == [0] * per_epoch + [1] * (6 - per_epoch)
+    half = runs.copy(runs("dp_pack_epochs_half", "train_dp.py", [*epochs, "--stop-at-step", "2"]), tmp_path / "half")
+    train("train_dp.py", ["--dataset", str(runs.corpus), *FAST, *epochs, "--out-dir", str(half), "--resume"])
+    assert_same_model(half, straight)
+
+
+def packed_datasets(runs, out):
+    """(the flags, the training and the held-out datasets) of a packed run, made again here."""
+    cfg = training.parse_args(["--dataset", str(runs.corpus), *FAST, *PACK, "--out-dir", str(runs.root / "unused")])
+    train_text, val_text, _ = training.load_text(cfg)
+    return cfg, *training.make_datasets(cfg, data.load_tokenizer(out / "tokenizer.json"), train_text, val_text)
+
+
+def test_a_packed_evaluation_gives_the_padded_evaluations_loss_and_bits_per_byte(runs, floor):
+    """The run's last val_loss and val_bpb (step 8, its final weights), from its packed held-out
+    rows, against the same weights evaluated one window a row. The floor: that padded
+    evaluation in reverse order."""
+    out = runs("dp_pack", "train_dp.py", PACK)
+    cfg, _, packed_val = packed_datasets(runs, out)
+    padded_val = PaddedSequenceDataset(packed_val.rows, 32, packed_val.pad_id, text_bytes=packed_val.text_bytes)
+    model = training.build_model(cfg, 300, torch.float32)
+    model.load_state_dict(load_weights(out))
+    last = [row for row in metrics(out) if "val_loss" in row][-1]
+
+    def evaluated(ds, order):
+        loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ds, order), batch_size=8)
+        loss_sum, n = training.evaluate(model, loader, torch.device("cpu"))
+        return loss_sum / n, training.bits_per_byte(loss_sum, ds)
+
+    padded = evaluated(padded_val, range(len(padded_val)))
+    reversed_order = evaluated(padded_val, range(len(padded_val) - 1, -1, -1))
+    packed = evaluated(packed_val, range(len(packed_val)))
+    loss_floor = max(abs(reversed_order[0] - padded[0]).item() / padded[0].item(), floor.loss)
+    assert_within("packed val loss vs padded", abs(packed[0] - padded[0]).item() / padded[0].item(), loss_floor,
+                  FLOOR_MULTIPLE)
+    assert_within("logged val loss vs padded", abs(last["val_loss"] - padded[0].item()) / padded[0].item(),
+                  loss_floor, FLOOR_MULTIPLE)
+    assert last["val_bpb"] == pytest.approx(padded[1], rel=FLOOR_MULTIPLE * loss_floor)
+
+
+@pytest.mark.parametrize("stopped_with, resumed_with, message", [
+    (PACK, [], "was trained with --pack (its rows hold several windows each): resume with --pack"),
+    ([], PACK, "was trained without --pack (its rows hold one window each): resume without --pack")])
+def test_a_resume_with_the_other_framing_is_one_line_and_touches_nothing(runs, tmp_path, capsys, stopped_with,
+                                                                        resumed_with, message):
+    if stopped_with:
+        half = runs.copy(runs("dp_pack_stop4", "train_dp.py", [*PACK, "--stop-at-step", "4"]), tmp_path / "half")
+    else:
+        half = stopped_at_step_4(runs, tmp_path)
+    refused_in_process("train_dp.py", ["--dataset", str(runs.corpus), *FAST, *resumed_with, "--resume"], half,
+                       message, capsys)
+
+
+def test_init_from_a_padded_run_starts_a_packed_one_at_its_trained_weights(runs, tmp_path):
+    """Weights are weights: a packed run from a padded run's model.pt begins near where the
+    padded run ended, far below where a run from the seed begins."""
+    padded = runs("dp", "train_dp.py")
+    out = tmp_path / "packed"
+    train("train_dp.py", ["--dataset", str(runs.corpus), *FAST[2:], *PACK, "--max-steps", "2", "--log-every", "1",
+                          "--init-from", str(padded), "--out-dir", str(out)])
+    first = next(row["loss"] for row in metrics(out) if "loss" in row)
+    ended = [row["loss"] for row in metrics(padded) if "loss" in row]
+    assert abs(first - ended[-1]) < 0.5 * (ended[0] - ended[-1])
