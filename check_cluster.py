@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 import launcher
 from launcher import usable_cores
-from errors import UsageError, first_line
+from errors import ArgumentParser, UsageError, first_line
 
 # what decides where the ranks meet and over which network: printed when a wait fails
 NETWORK_ENV = ["MASTER_ADDR", "MASTER_PORT", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE",
@@ -184,12 +184,12 @@ def bus_bandwidth(meeting: Meeting, device: torch.device, group, n: int, sizes: 
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--timeout-seconds", type=float, default=60.0, help="the longest any one step may wait")
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda where torch sees GPUs")
     args = parser.parse_args()
-    if not args.timeout_seconds > 0:
-        raise UsageError(f"--timeout-seconds must be positive, got {args.timeout_seconds:g}")
+    if not 0 < args.timeout_seconds <= 86400:  # inf and nan too: no deadline is no check
+        raise UsageError(f"--timeout-seconds must be positive and at most a day (86400), got {args.timeout_seconds:g}")
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     cuda = args.device == "cuda" or (args.device is None and torch.cuda.is_available())

@@ -137,7 +137,14 @@ def load_pt(path, what: str):
     weights and optimizer state in each rank's memory. A file that cannot be read is one
     UsageError line."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap can only be used" not in str(e):
+                raise
+            # torch.save's legacy format (_use_new_zipfile_serialization=False) cannot be
+            # memory-mapped: read whole, as safely
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise UsageError(f"cannot load {what} {path}: {first_line(e)}") from None
 
@@ -391,6 +398,9 @@ def init_source(path: str) -> tuple[Path, Path]:
     if p.is_dir() and (p / CONFIG).is_file():  # an output folder
         out = p
         newest = [p / name for name in (MODEL, CHECKPOINT) if (p / name).is_file()] or sharded_checkpoints(p)[-1:]
+        if not newest and (p / "model.safetensors").is_file():
+            raise UsageError(f"--init-from {path} is a Hugging Face export (export_hf.py): give the output "
+                             "folder it was exported from")
         if not newest:
             raise UsageError(f"--init-from {path} holds no {MODEL} and no checkpoint: nothing trained yet")
         weights = newest[0]
@@ -413,6 +423,12 @@ def weights_in(path: Path) -> dict:
     if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
         raise UsageError(f"{path} holds no model weights")
     return state
+
+
+def unusable_weight(state: dict) -> str | None:
+    """The name of the first weight that is not finite floating point (NaN, inf, integers), or None."""
+    return next((name for name, t in state.items() if not (t.is_floating_point() and torch.isfinite(t).all())),
+                None)
 
 
 def weight_shapes(path: Path) -> dict:
@@ -460,9 +476,12 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
     model = LlamaForPretraining(config)
     if ckpt is not None and ckpt.get("sharded"):  # DCP reshards every tensor to this one process
         sharded_checkpointing.load_model(Path(ckpt["path"]), model)
-        return model.eval(), load_tokenizer(out / TOKENIZER)
-    try:
-        model.load_state_dict(state)
-    except (RuntimeError, AttributeError) as e:
-        raise UsageError(f"the weights in {out} do not fit its {CONFIG}: {first_line(e)}") from None
+    else:
+        try:
+            model.load_state_dict(state)
+        except (RuntimeError, AttributeError) as e:
+            raise UsageError(f"the weights in {out} do not fit its {CONFIG}: {first_line(e)}") from None
+    if name := unusable_weight(dict(model.named_parameters())):  # what a diverged or damaged file holds
+        raise UsageError(f"the weights in {out} are not finite ({name} holds NaN or inf): nothing to sample or "
+                         "export from them")
     return model.eval(), load_tokenizer(out / TOKENIZER)

@@ -3,7 +3,6 @@ fields declare their defaults, their bounds and whether a resumed run must keep 
 the presets of --model; and the checks that run before anything else does.
 """
 
-import argparse
 import dataclasses
 import importlib
 import math
@@ -15,7 +14,7 @@ import torch
 import checkpointing
 import corpus
 import data
-from errors import UsageError
+from errors import ArgumentParser, UsageError
 from launcher import warn
 from model import PRESETS
 
@@ -119,11 +118,6 @@ TRAINING_PRESETS = {
 }
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        raise UsageError(message)
-
-
 def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConfig:
     parser = ArgumentParser(description=description)
     for f in dataclasses.fields(TrainConfig):
@@ -136,21 +130,32 @@ def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConf
             kwargs = {"type": type(f.default), **f.metadata["argparse"]}
             parser.add_argument(name, default=f.default, help=f.metadata["help"], **kwargs)
     cfg = TrainConfig(**vars(parser.parse_args(argv)))
+    for name, value in vars(cfg).items():  # `--init-from "$UNSET"` must not mean "no --init-from"
+        if isinstance(value, str) and not value.strip():
+            raise UsageError(f"--{name.replace('_', '-')} is empty (an unset variable in a job script?): give it "
+                             "a value, or leave the flag out")
     if cfg.tokenizer and cfg.vocab_size is not None:
         raise UsageError("--vocab-size sets the size of a tokenizer to train; --tokenizer brings its own")
     if cfg.init_from and cfg.resume:  # e.g. a job resubmitted with its arguments plus --resume
         warn(f"--init-from {cfg.init_from} is ignored: --resume continues the run in --out-dir from its checkpoint")
         cfg.init_from = None
     if cfg.init_from:
-        if cfg.tokenizer or cfg.vocab_size is not None:
-            raise UsageError("--init-from brings its own tokenizer (the tokenizer.json beside its weights): leave "
-                             "--tokenizer and --vocab-size out")
         out, weights = checkpointing.init_source(cfg.init_from)
+        if cfg.tokenizer:
+            raise UsageError("--init-from brings its own tokenizer (the tokenizer.json beside its weights): leave "
+                             "--tokenizer out")
+        if cfg.vocab_size is not None:  # a job script's constant: fine while it is what the weights were trained on
+            theirs = data.load_tokenizer(out / checkpointing.TOKENIZER).get_vocab_size()
+            if cfg.vocab_size != theirs:
+                raise UsageError(f"--vocab-size {cfg.vocab_size}: the weights of --init-from were trained with "
+                                 f"{theirs:,} tokens (their tokenizer.json comes with them): leave --vocab-size out")
+            cfg.vocab_size = None
         # resolved once: every later step reads these weights, even if the source run saves again
         cfg.init_from = str(weights)
         cfg.tokenizer = str(out / checkpointing.TOKENIZER)  # the ids the weights were trained on
     for key, value in TRAINING_PRESETS[cfg.model].items():
-        if getattr(cfg, key) is None and not (key == "vocab_size" and cfg.tokenizer):
+        # a tokenizer brings its vocabulary; so does a resumed run (its own tokenizer.json)
+        if getattr(cfg, key) is None and not (key == "vocab_size" and (cfg.tokenizer or cfg.resume)):
             setattr(cfg, key, value)
     validate(cfg)
     return cfg

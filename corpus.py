@@ -182,6 +182,10 @@ def _text_column(ds: datasets.Dataset, column: str, name: str) -> datasets.Datas
     if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
         kind = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__.lower()
         raise UsageError(f"column {column!r} of dataset {name} holds {kind}, not text")
+    missing = ds.data.column(column).null_count  # rows without the field (JSON lines), or with null
+    if missing:
+        raise UsageError(f"{missing:,} of {len(ds):,} documents of dataset {name} have no {column!r} (absent or null): "
+                         "fix those rows, or choose the column they all have with --text-column")
     ds = ds.select_columns([column])
     return ds.rename_column(column, "text") if column != "text" else ds
 

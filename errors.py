@@ -1,5 +1,7 @@
 """Errors the user can fix, and how they are shown: one line on stderr, never a traceback."""
 
+import argparse
+
 
 class UsageError(ValueError):
     """Bad input the user can fix (flags, data, files): the scripts print it as one line
@@ -9,6 +11,11 @@ class UsageError(ValueError):
 class RankError(UsageError):
     """An error that only this rank meets (it stopped waiting for the others): this rank
     prints it, whatever its number."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        raise UsageError(message)
 
 
 def first_line(e: BaseException) -> str:

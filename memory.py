@@ -161,7 +161,8 @@ def device_memory(device: torch.device) -> tuple[int, int]:
         pass  # not Linux: the whole memory counts as available
     for limit, used in cgroup_limits():
         total, available = min(total, limit), min(available, max(0, limit - used))
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    # torchrun's workers only: a stray LOCAL_WORLD_SIZE in a plain `python` run is not ranks
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if "TORCHELASTIC_RUN_ID" in os.environ else 1
     return total // ranks_here, available // ranks_here
 
 

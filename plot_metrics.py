@@ -15,7 +15,7 @@ import launcher
 import metrics
 import training
 from checkpointing import METRICS
-from errors import UsageError
+from errors import UsageError, first_line
 
 
 def read_metrics(out_dir: str) -> list[dict]:
@@ -77,8 +77,12 @@ def plot(runs: dict[str, list[dict]], output: str, plt):
     for ax in (ax_loss, ax_speed):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(output, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(output, dpi=120)
+    except OSError as e:  # a read-only folder, a full disk
+        raise UsageError(f"--output {output}: cannot write it: {first_line(e)}") from None
+    finally:
+        plt.close(fig)
 
 
 def main(argv=None):

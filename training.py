@@ -218,6 +218,10 @@ def check_init_from(cfg: TrainConfig, vocab_size: int):
         name, there, here = differ
         raise UsageError(f"--init-from {cfg.init_from}: its weights do not fit --model {cfg.model} with its "
                          f"{vocab_size:,}-token vocabulary: {name} is {there} there, {here} here")
+    if Path(cfg.init_from).is_file() and (name := checkpointing.unusable_weight(
+            checkpointing.weights_in(Path(cfg.init_from)))):  # a .pt file (one pass over it, memory-mapped)
+        raise UsageError(f"--init-from {cfg.init_from}: {name} is not finite floating point (NaN, inf or "
+                         "integers): no run can start from these weights")
 
 
 def nvidia_gpus() -> list[str]:
@@ -315,6 +319,9 @@ def resume(ckpt: dict | None, cfg: TrainConfig, model, optimizer, scheduler, ste
         return 0
     for f in dataclasses.fields(cfg):  # the flags first: they name what changed in the user's words
         was, now = ckpt["train_config"].get(f.name), getattr(cfg, f.name)
+        if f.name == "vocab_size" and now is None:  # not given: the run's own tokenizer.json decides it
+            cfg.vocab_size = was  # and its checkpoints keep recording what the run was started with
+            continue
         if f.metadata["same_on_resume"] and was != now:
             raise UsageError(f"--{f.name.replace('_', '-')} was {was!r} in the checkpoint's run, now {now!r}: "
                              "resume with the same value")

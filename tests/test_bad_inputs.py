@@ -2,6 +2,7 @@
 output folder is created or overwritten. Most cases run a script's main() in this process
 (refused_in_process), as `python SCRIPT` would; a few run it as a subprocess, as a user does."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -10,7 +11,9 @@ import shutil
 import pytest
 import torch
 
-from conftest import FAST, FAST_WITH_TOKENIZER, REPO, run_script, script_in_process, train
+from conftest import FAST, FAST_WITH_TOKENIZER, REPO, assert_same_weights, run_script, script_in_process, train
+from config import TrainConfig
+from errors import UsageError
 
 
 def snapshot(folder):
@@ -279,7 +282,8 @@ BAD_FLAGS = [
     ("--text-column", "content", "has no column 'content'"),
     ("--tokenizer", "{missing}", "cannot load tokenizer"),
     ("--out-dir", "{a_file}", "exists and is not a folder"),
-    ("--out-dir", "", "--out-dir is empty: name a folder"),
+    ("--out-dir", "", "--out-dir is empty (an unset variable in a job script?)"),
+    ("--dataset", "{half_without_text}", "2 of 4 documents of dataset"),
     ("--backend", "mpi", "argument --backend: invalid choice: 'mpi'"),
     ("--timeout-minutes", "0", "--timeout-minutes must be a positive number"),
     ("--data-timeout-minutes", "-1", "--data-timeout-minutes must be a positive number"),
@@ -296,9 +300,12 @@ BAD_FLAGS = [
 def test_every_flag_rejects_a_bad_value(tmp_path, corpus, capsys, flag, value, message):
     (tmp_path / "garbage.parquet").write_bytes(b"this is not parquet")
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{not json\n')
+    (tmp_path / "half.jsonl").write_text("".join(json.dumps({key: f"document {i}"}) + "\n"
+                                                 for i, key in enumerate(["text", "content"] * 2)))
     (tmp_path / "a_file").write_text("precious")
     fill = {"{missing}": str(tmp_path / "missing.txt"), "{garbage_parquet}": str(tmp_path / "garbage.parquet"),
-            "{bad_jsonl}": str(tmp_path / "bad.jsonl"), "{a_file}": str(tmp_path / "a_file")}
+            "{bad_jsonl}": str(tmp_path / "bad.jsonl"), "{a_file}": str(tmp_path / "a_file"),
+            "{half_without_text}": str(tmp_path / "half.jsonl")}
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("the user's own file")
@@ -420,13 +427,57 @@ def test_a_checkpoint_of_clipped_documents_is_refused(finished_run, corpus, tmp_
 @pytest.mark.parametrize("extra, message", [
     (["--model", "article"], "its weights do not fit --model article with its 300-token vocabulary: "
                              "base_model.embed_tokens.weight is (300, 256) there, (300, 768) here"),
-    (["--vocab-size", "300"], "--init-from brings its own tokenizer"),
+    (["--vocab-size", "512"], "--vocab-size 512: the weights of --init-from were trained with 300 tokens"),
+    (["--tokenizer", "{tokenizer}"], "--init-from brings its own tokenizer"),
 ])
 def test_init_from_refuses_weights_that_do_not_fit_and_flags_that_contradict_it(finished_run, corpus, tmp_path,
                                                                                  extra, message, capsys):
     fast = [a for a in FAST if a not in ("--vocab-size", "300")]
+    extra = [str(finished_run / "tokenizer.json") if a == "{tokenizer}" else a for a in extra]
     refused_in_process("train_dp.py", ["--dataset", str(corpus), *fast, "--init-from", str(finished_run), *extra],
                        tmp_path / "new", message, capsys)
+
+
+def test_init_from_takes_a_vocab_size_that_is_the_weights_own(finished_run, corpus):
+    """A job script that always passes --vocab-size, reused with --init-from a run of that vocabulary."""
+    import training
+    fast = [a for a in FAST if a not in ("--vocab-size", "300")]
+    cfg = training.parse_args(["--dataset", str(corpus), *fast, "--init-from", str(finished_run), "--vocab-size",
+                               "300"])
+    assert cfg.tokenizer == str(finished_run / "tokenizer.json") and cfg.vocab_size is None
+
+
+@pytest.mark.parametrize("again", [[], ["--init-from", "{source}"]], ids=["resume", "init-from-and-resume"])
+def test_a_run_started_from_weights_resumes_as_its_stop_message_says(finished_run, corpus, tmp_path, again):
+    """Started with --init-from and stopped, it continues with --resume (its own tokenizer.json,
+    whose vocabulary no --vocab-size gave), with or without the --init-from of its job script,
+    and ends where the same run never stopped ends."""
+    fast = [a for a in FAST if a not in ("--vocab-size", "300")]
+    args = ["--dataset", str(corpus), *fast]
+    source = ["--init-from", str(finished_run)]
+    straight, half = tmp_path / "straight", tmp_path / "half"
+    train("train_dp.py", [*args, *source, "--out-dir", str(straight)])
+    train("train_dp.py", [*args, *source, "--stop-at-step", "4", "--out-dir", str(half)])
+    again = [str(finished_run) if a == "{source}" else a for a in again]
+    train("train_dp.py", [*args, *again, "--resume", "--out-dir", str(half)])
+    assert_same_weights(half, straight)
+    assert torch.load(half / "checkpoint.pt", weights_only=True)["train_config"]["vocab_size"] is None
+
+
+TEXT_FLAGS = [f.name for f in dataclasses.fields(TrainConfig)
+              if f.type in (str, "str", str | None, "str | None") and not f.metadata["argparse"].get("choices")]
+
+
+@pytest.mark.parametrize("name", TEXT_FLAGS)
+@pytest.mark.parametrize("value", ["", "  "])
+def test_a_text_flag_given_empty_is_refused_not_taken_as_absent(name, value):
+    """`--init-from "$UNSET"` in a job script: no flag that names a file, folder, column, project
+    or run takes an empty value as "not given" (which would train from random weights, train
+    a new tokenizer, or log nowhere)."""
+    import training
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(UsageError, match=f"^{flag} is empty"):
+        training.parse_args([flag, value], ddp=True)
 
 
 def test_init_from_a_folder_without_weights_is_refused(corpus, tmp_path, capsys):
@@ -444,3 +495,50 @@ def test_init_from_is_ignored_with_a_warning_when_a_job_resumes(finished_run, co
     assert cfg.init_from is None and cfg.tokenizer is None
     assert capsys.readouterr().err == (f"warning: --init-from {finished_run} is ignored: --resume continues the run "
                                        "in --out-dir from its checkpoint\n")
+
+
+def weights_folder(finished_run, folder, change=None, **save_options):
+    """A copy of the run's config.json, tokenizer.json and model.pt, its weights changed by `change`."""
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(finished_run / name, folder / name)
+    state = torch.load(finished_run / "model.pt", weights_only=True)
+    if change:
+        change(state)
+    torch.save(state, folder / "model.pt", **save_options)
+    return folder
+
+
+@pytest.mark.parametrize("change", [
+    lambda state: state["base_model.norm.weight"].fill_(float("nan")),
+    lambda state: state["lm_head.weight"].__setitem__(0, float("inf")),
+    lambda state: state.update({"base_model.norm.weight": state["base_model.norm.weight"].long()}),
+], ids=["nan", "inf", "integers"])
+def test_init_from_weights_that_no_run_can_start_from_is_refused_before_anything_is_written(
+        finished_run, corpus, tmp_path, capsys, change):
+    source = weights_folder(finished_run, tmp_path / "source", change)
+    fast = [a for a in FAST if a not in ("--vocab-size", "300")]
+    out = tmp_path / "new"
+    out.mkdir()
+    refused_in_process("train_dp.py", ["--dataset", str(corpus), *fast, "--init-from", str(source)], out,
+                       "is not finite floating point (NaN, inf or integers): no run can start from these weights",
+                       capsys)
+
+
+def test_init_from_weights_in_torchs_legacy_format_starts_there(finished_run, tmp_path):
+    """torch.save(..., _use_new_zipfile_serialization=False) cannot be memory-mapped: it is read whole."""
+    import checkpointing
+    source = weights_folder(finished_run, tmp_path / "legacy", _use_new_zipfile_serialization=False)
+    loaded = checkpointing.weights_in(source / "model.pt")
+    expected = torch.load(finished_run / "model.pt", weights_only=True)
+    assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+
+def test_init_from_a_hugging_face_export_names_what_to_give_instead(corpus, tmp_path, capsys):
+    export = tmp_path / "hf"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    (export / "model.safetensors").write_bytes(b"")
+    fast = [a for a in FAST if a not in ("--vocab-size", "300")]
+    refused_in_process("train_dp.py", ["--dataset", str(corpus), *fast, "--init-from", str(export)], tmp_path / "new",
+                       "is a Hugging Face export (export_hf.py): give the output folder it was exported from", capsys)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -102,7 +103,13 @@ def test_any_difference_in_gpu_kind_or_nccl_is_called_out():
     assert check_cluster.differences([a100, a100, dict(a100, nccl="2.21.5")]).startswith("rank 2 has nccl 2.21.5")
 
 
-def test_bad_flags_are_one_line_and_exit_2():
-    proc = subprocess.run([sys.executable, str(REPO / "check_cluster.py"), "--timeout-seconds", "0"], cwd=REPO,
+@pytest.mark.parametrize("flags, message", [
+    (["--timeout-seconds", "0"], "--timeout-seconds must be positive and at most a day (86400), got 0"),
+    (["--timeout-seconds", "inf"], "--timeout-seconds must be positive and at most a day (86400), got inf"),
+    (["--timeout-seconds", "nan"], "--timeout-seconds must be positive and at most a day (86400), got nan"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_bad_flags_are_one_line_and_exit_2(flags, message):
+    proc = subprocess.run([sys.executable, str(REPO / "check_cluster.py"), *flags], cwd=REPO,
                           env=launch_env(), capture_output=True, text=True, timeout=120)
-    assert (proc.returncode, proc.stderr) == (2, "error: --timeout-seconds must be positive, got 0\n")
+    assert (proc.returncode, proc.stderr) == (2, f"error: {message}\n")

@@ -428,3 +428,25 @@ def test_fsdp_builds_no_whole_model_and_draws_the_initial_weights_of_one_process
     result = json.loads(found.read_text())
     assert result["on_meta"] and result["names_equal"] and result["differ"] == [] and result["rope"]
     assert result["local"] <= result["total"] // 2 + 1_000  # this rank's half (a shard of uneven rows rounds up)
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+def test_every_rank_runs_as_many_evaluation_forwards_when_the_held_out_rows_do_not_split_evenly(pack):
+    """Each FSDP forward all-gathers every layer: a rank with one held-out row fewer would run
+    one forward fewer, and its next collectives would pair with the others' evaluation. So
+    train_fsdp.py's val_loader (same_length) gives it a row of padding, whose targets are all
+    ignored: the same number of batches on every rank, and every real target once."""
+    import data
+    import training
+    from model import IGNORE_INDEX
+    from test_packing import stored_windows
+    windows = stored_windows([12, 30, 33, 7, 20, 33, 15, 9, 26, 18], vocab_size=300)  # 5 windows are kept
+    ds = data.PaddedSequenceDataset(windows, 32, pad_id=0)
+    if pack:
+        ds = data.PackedSequenceDataset(windows, 32, pad_id=0, packing=data.pack(windows, 32, seed=0))
+    assert len(ds) % 2 == 1  # uneven over 2 ranks
+    loaders = [list(training.val_loader(ds, rank, 2, batch_size=2, same_length=True)) for rank in (0, 1)]
+    assert len(loaders[0]) == len(loaders[1])
+    assert [sum(len(batch[0]) for batch in loader) for loader in loaders] == [len(ds) // 2 + 1] * 2
+    targets = sum(int((batch[1] != IGNORE_INDEX).sum()) for loader in loaders for batch in loader)
+    assert targets == int(ds.targets.sum())

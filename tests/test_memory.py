@@ -97,7 +97,9 @@ def test_fsdp_holds_a_share_of_the_state_but_builds_the_whole_model_first():
 def test_this_machine_has_memory_and_each_rank_here_gets_its_share(monkeypatch):
     total, available = memory.device_memory(torch.device("cpu"))
     assert 0 < available <= total <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun started 2 ranks on this machine
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # a stray variable, outside torchrun: not ranks
+    assert memory.device_memory(torch.device("cpu"))[0] == total
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # torchrun started 2 ranks on this machine
     assert memory.device_memory(torch.device("cpu"))[0] == total // 2
 
 

@@ -388,3 +388,31 @@ def test_a_warmup_as_long_as_the_run_is_warned_about(capsys):
                                        "learning rate is still warming up when the run ends, and never decays\n")
     cfg = training.TrainConfig(warmup_steps=10, max_steps=50, epochs=1)
     assert training.total_steps(cfg, steps_per_epoch=80) == 50 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_weights_that_are_not_finite_give_one_line_not_a_traceback_or_empty_text(trained, tmp_path, capsys, bad):
+    """A diverged or damaged model.pt: generate.py and export_hf.py refuse it in one line."""
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(trained / name, out / name)
+    state = torch.load(trained / "model.pt", weights_only=True)
+    state["base_model.norm.weight"][0] = bad
+    torch.save(state, out / "model.pt")
+    for script, args in [("generate.py", [str(out), "--temperature", "0"]),
+                         ("export_hf.py", [str(out), str(tmp_path / "hf")])]:
+        assert script_in_process(script, args) == 2, script
+        printed = capsys.readouterr()
+        assert printed.err == (f"error: the weights in {out} are not finite (base_model.norm.weight holds NaN or "
+                               "inf): nothing to sample or export from them\n"), printed
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_plot_that_cannot_be_written_is_one_line(trained, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "taken.png").mkdir()  # a folder where the image would go: no write succeeds, root's neither
+    assert script_in_process("plot_metrics.py", [str(trained), "-o", str(tmp_path / "taken.png")]) == 2
+    printed = capsys.readouterr()
+    assert printed.err.startswith(f"error: --output {tmp_path / 'taken.png'}: cannot write it: ") and \
+        len(printed.err.splitlines()) == 1
