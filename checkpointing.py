@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+import corpus
 import data
 from data import load_tokenizer
 from errors import UsageError, first_line
@@ -136,6 +137,7 @@ def load_pt(path, what: str):
     of a node) until they are copied where they belong, instead of a private copy of the
     weights and optimizer state in each rank's memory. A file that cannot be read is one
     UsageError line."""
+    corpus.regular_file(path, what)  # a FIFO would block torch.load, a device feed it forever
     try:
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -444,10 +446,11 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
     config.json, tokenizer.json and model.pt, or the newest checkpoint while the run is
     unfinished."""
     out = Path(out_dir)
-    if not (out / CONFIG).is_file():
+    if not os.path.lexists(out / CONFIG):  # something there is read as a config.json must be (corpus.read_text)
         raise UsageError(f"{out} is not an output folder of train_dp.py/train_ddp.py (no {CONFIG})")
+    text = corpus.read_text(out / CONFIG, "model config", 2**20)
     try:
-        config = LlamaConfig(**json.loads((out / CONFIG).read_text()))
+        config = LlamaConfig(**json.loads(text))
     except (ValueError, TypeError) as e:
         raise UsageError(f"cannot read {out / CONFIG}: {first_line(e)}") from None
     expected = model_shapes(config)

@@ -8,6 +8,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import stat
 import sysconfig
 from pathlib import Path
 
@@ -74,7 +75,8 @@ def file_builder(path: Path) -> str | None:
 def _local_files(path: Path) -> list[Path]:
     """The data files of --dataset: the file itself, or every file a folder holds at any depth,
     symlinked folders followed. Whatever is skipped is named in one warning."""
-    if path.is_file():
+    if not path.is_dir():
+        regular_file(path, "dataset file")  # a FIFO or a device (a link to /dev/zero) is neither file nor folder
         if file_builder(path) is None:
             raise UsageError(f"unsupported dataset file {path}: expected {KNOWN_FILES}")
         files = [path]
@@ -125,6 +127,28 @@ def looks_local(dataset: str) -> bool:
     """A path, as opposed to a Hub id such as `HuggingFaceFW/fineweb`."""
     return (os.path.exists(dataset) or dataset.startswith((".", "/", "~"))
             or file_builder(Path(dataset)) is not None)
+
+
+def regular_file(path, what: str) -> int:
+    """The size of a file we are about to read, refused in one line unless it is a regular file:
+    in a folder anyone may write, a FIFO would block the read forever and a link to /dev/zero
+    never end it."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise UsageError(f"cannot read {what} {path}: {first_line(e)}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{what} {path} is not a regular file (a FIFO, a device or a folder): replace it with the "
+                         "file it should be, or remove it")
+    return st.st_size
+
+
+def read_text(path, what: str, limit: int) -> str:
+    """A file's text, read only as what it must be: a regular file of at most `limit` bytes."""
+    if (size := regular_file(path, what)) > limit:
+        raise UsageError(f"{what} {path} holds {size:,} bytes, more than any {what} can ({limit:,})")
+    with open(path, "rb") as f:
+        return f.read(limit + 1)[:limit].decode(errors="replace")  # bounded even if it grows meanwhile
 
 
 def check_dataset_flags(dataset: str, dataset_config: str | None, split: str | None):

@@ -25,6 +25,7 @@ import pyarrow.compute
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import corpus
 from errors import UsageError, first_line
 from launcher import usable_cores, warn
 from model import IGNORE_INDEX
@@ -76,8 +77,9 @@ def train_tokenizer(texts: datasets.Dataset, vocab_size: int) -> Tokenizer:
 
 
 def load_tokenizer(path: str) -> Tokenizer:
+    text = corpus.read_text(path, "tokenizer", 2**30)  # a regular file (of at most a GiB: 50,000 tokens take 4 MB)
     try:
-        tokenizer = Tokenizer.from_file(str(path))
+        tokenizer = Tokenizer.from_str(text)
     except Exception as e:
         raise UsageError(f"cannot load tokenizer {path}: {first_line(e)}") from None
     # The model has one embedding row per token, ids 0 to size - 1: a larger id would fail

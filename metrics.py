@@ -130,13 +130,16 @@ def progress(row: dict) -> dict:
     return {**shown, "mfu": f"{row['mfu']:.1%}"} if "mfu" in row else shown
 
 
+METRICS_LIMIT = 2**30  # a row a step is a few hundred bytes: millions of steps
+
+
 def read_metrics(path: Path, warn_if_torn: bool = True) -> list[dict]:
     """The rows of a metrics.jsonl. A torn last line (what a crash or a full disk leaves
     mid-write) is dropped with a warning and blank lines are skipped; any other damage is
     a UsageError."""
     if not path.exists():
         return []
-    text = path.read_text(errors="replace")
+    text = corpus.read_text(path, "metrics file", METRICS_LIMIT)
     lines = text.split("\n")
     rows = []
     for number, line in enumerate(lines, 1):
@@ -190,12 +193,15 @@ class TensorBoardSink:
         folder = out / TENSORBOARD
         if folder.exists() and not folder.is_dir():
             raise UsageError(f"{folder} is a file, not a folder of TensorBoard event files: move it away")
-        self.writer = SummaryWriter(str(folder), purge_step=0)
-        flags = "\n".join(f"| {k} | {v} |" for k, v in dataclasses.asdict(cfg).items())
-        self.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, 0)
-        for row in kept:
-            self.add(row)
-        self.writer.flush()
+        try:
+            self.writer = SummaryWriter(str(folder), purge_step=0)
+            flags = "\n".join(f"| {k} | {v} |" for k, v in dataclasses.asdict(cfg).items())
+            self.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, 0)
+            for row in kept:
+                self.add(row)
+            self.writer.flush()
+        except OSError as e:  # a read-only folder, a full disk
+            raise UsageError(f"--tensorboard: cannot write {folder}: {first_line(e)}") from None
 
     def add(self, row: dict):
         for key, value in scalars(row).items():
@@ -216,10 +222,14 @@ class WandbSink:
     metrics.jsonl kept and W&B has not seen, then its own; the steps it trains again keep
     the values first sent (the same losses; other timings)."""
 
-    def __init__(self, out: Path, cfg: TrainConfig, kept: list[dict]):
+    def __init__(self, out: Path, cfg: TrainConfig, kept: list[dict], logged: int):
         import wandb
         self.state = out / WANDB_RUN
         run_id, self.sent = self.read_state()
+        if self.sent > logged:  # every row goes to metrics.jsonl before W&B: it cannot have seen more
+            raise UsageError(f"{self.state} says W&B has the steps up to {self.sent:,}, but metrics.jsonl logged "
+                             f"only up to {logged:,}: the resumed run would send W&B nothing. Remove it to start a "
+                             "new W&B run")
         try:
             self.run = wandb.init(project=cfg.wandb, name=cfg.wandb_run, id=run_id, resume="allow", dir=str(out),
                                   config=dataclasses.asdict(cfg))
@@ -235,7 +245,7 @@ class WandbSink:
         if not self.state.exists():
             return secrets.token_hex(4), -1  # a new W&B run (8 characters, as W&B's own ids), nothing sent
         try:
-            run_id, sent = self.state.read_text(errors="replace").split()
+            run_id, sent = corpus.read_text(self.state, "W&B run file", 1024).split()
             if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):
                 raise ValueError
             return run_id, int(sent)
@@ -270,11 +280,14 @@ class MetricsLog:
             return
         out = Path(cfg.out_dir)
         path = out / METRICS
-        kept = [row for row in read_metrics(path, warn_if_torn=False) if row["step"] <= resume_step]
+        logged = read_metrics(path, warn_if_torn=False)
+        kept = [row for row in logged if row["step"] <= resume_step]
         kept = kept or ([{"step": 0, **facts}] if facts else [])  # a new run's first row
-        # the trackers first: one that cannot start (W&B without a login) stops the run before any write
+        # the trackers first: one that cannot start (W&B without a login) stops the run before any write,
+        # W&B's own check before TensorBoard writes its first event file
+        wandb_sink = WandbSink(out, cfg, kept, max((row["step"] for row in logged), default=0)) if cfg.wandb else None
         trackers = [TensorBoardSink(out, cfg, kept)] if cfg.tensorboard else []
-        trackers += [WandbSink(out, cfg, kept)] if cfg.wandb else []
+        trackers += [wandb_sink] if wandb_sink else []
         atomic_save("".join(json.dumps(row) + "\n" for row in kept), path)
         self.sinks = [JsonlSink(path), *trackers]
 

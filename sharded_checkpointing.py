@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+import corpus
 from checkpointing import (CheckpointWriter, _fsync_dir, _nbytes, atomic_save, disk_full, load_pt, sharded_checkpoints,
                            to_prune)
 from errors import UsageError, first_line
@@ -66,6 +67,7 @@ def read_metadata(path: Path) -> Metadata:
     folder: every shard file it names is there (a bare name in the folder) and long enough,
     and every non-tensor value in them loads with weights_only. Anything else is one
     UsageError line."""
+    corpus.regular_file(path / ".metadata", "checkpoint metadata")  # a FIFO would block the read
     try:
         with open(path / ".metadata", "rb") as f:
             metadata = _MetadataUnpickler(f).load()

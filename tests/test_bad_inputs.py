@@ -280,7 +280,7 @@ BAD_FLAGS = [
     ("--dataset-config", "sample-10BT", "apply to Hub datasets only"),
     ("--split", "train", "apply to Hub datasets only"),
     ("--text-column", "content", "has no column 'content'"),
-    ("--tokenizer", "{missing}", "cannot load tokenizer"),
+    ("--tokenizer", "{missing}", "cannot read tokenizer"),
     ("--out-dir", "{a_file}", "exists and is not a folder"),
     ("--out-dir", "", "--out-dir is empty (an unset variable in a job script?)"),
     ("--dataset", "{half_without_text}", "2 of 4 documents of dataset"),
@@ -542,3 +542,46 @@ def test_init_from_a_hugging_face_export_names_what_to_give_instead(corpus, tmp_
     fast = [a for a in FAST if a not in ("--vocab-size", "300")]
     refused_in_process("train_dp.py", ["--dataset", str(corpus), *fast, "--init-from", str(export)], tmp_path / "new",
                        "is a Hugging Face export (export_hf.py): give the output folder it was exported from", capsys)
+
+
+def made_hostile(path, kind: str):
+    """The file at path replaced by what someone with write access to the folder could put there."""
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)  # reading it would wait forever for a writer
+    else:
+        path.symlink_to("/dev/zero")  # reading it would never end
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+@pytest.mark.parametrize("name, what", [("metrics.jsonl", "metrics file"), ("tokenizer.json", "tokenizer")])
+def test_a_run_file_that_is_a_fifo_or_a_device_is_one_line_not_a_hang(finished_run, corpus, tmp_path, capsys, name,
+                                                                      what, kind):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    made_hostile(out / name, kind)
+    refused_in_process("train_dp.py", ["--dataset", str(corpus), *FAST, "--max-steps", "10", "--resume"], out,
+                       f"{what} {out / name} is not a regular file", capsys)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+def test_tools_and_trackers_read_no_fifo_or_device(finished_run, tmp_path, capsys, kind):
+    """generate.py's config.json; --wandb's run file; --dataset itself."""
+    import metrics
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    made_hostile(out / "config.json", kind)
+    assert script_in_process("generate.py", [str(out)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: model config {out / 'config.json'} is not a regular file")
+    (out / "wandb-run.txt").write_text("abc 4\n")
+    made_hostile(out / "wandb-run.txt", kind)
+    sink = metrics.WandbSink.__new__(metrics.WandbSink)
+    sink.state = out / "wandb-run.txt"
+    with pytest.raises(UsageError, match="does not hold a W&B run id and a step"):
+        sink.read_state()
+    data = tmp_path / "data.txt"
+    data.write_text("x")
+    made_hostile(data, kind)
+    import corpus
+    with pytest.raises(UsageError, match=f"dataset file {data} is not a regular file"):
+        corpus.load_corpus(str(data))

@@ -231,3 +231,48 @@ def test_wandb_offline_holds_the_run_its_config_and_its_history_and_a_resume_con
     assert (out / "wandb-run.txt").read_text().split()[1] == "8"  # the last step sent
     for row in rows:
         assert {k: by_step[row["step"]][k] for k in metrics.scalars(row)} == metrics.scalars(row), row["step"]
+
+
+def tracker_config(tmp_path, *flags):
+    return training.parse_args(["--out-dir", str(tmp_path / "out"), *flags])
+
+
+def test_a_wandb_run_file_claiming_steps_metrics_jsonl_never_logged_is_one_line(tmp_path):
+    """`<id> 999999999`: the resumed run would send W&B nothing (each step goes to
+    metrics.jsonl first, so W&B cannot hold a step metrics.jsonl never had)."""
+    pytest.importorskip("wandb")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "wandb-run.txt").write_text("abcd1234 999999999\n")
+    with pytest.raises(metrics.UsageError, match="says W&B has the steps up to 999,999,999, but metrics.jsonl logged "
+                                                 "only up to 8"):
+        metrics.WandbSink(out, tracker_config(tmp_path, "--wandb", "p"), kept=[], logged=8)
+
+
+def test_wandb_that_cannot_start_leaves_no_tensorboard_file_behind(tmp_path, monkeypatch):
+    """--tensorboard --wandb P without a W&B login: the one line comes before TensorBoard has
+    written anything, so the corrected command is not refused as a run already begun."""
+    wandb = pytest.importorskip("wandb")
+    pytest.importorskip("tensorboard")
+
+    def no_login(**kwargs):
+        raise RuntimeError("api_key not configured (no-tty)")
+    monkeypatch.setattr(wandb, "init", no_login)
+    cfg = tracker_config(tmp_path, "--wandb", "p", "--tensorboard")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(metrics.UsageError, match="W&B could not start the run"):
+        metrics.MetricsLog(cfg, enabled=True, facts={"documents": 1})
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_tensorboard_that_cannot_write_is_one_line(tmp_path, monkeypatch):
+    """A read-only or full OUT/tensorboard (simulated: its writer raises EROFS)."""
+    pytest.importorskip("tensorboard")
+    import errno
+    import torch.utils.tensorboard
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(torch.utils.tensorboard, "SummaryWriter", read_only)
+    with pytest.raises(metrics.UsageError, match="--tensorboard: cannot write .*tensorboard: .*Read-only file system"):
+        metrics.TensorBoardSink(tmp_path, tracker_config(tmp_path, "--tensorboard"), kept=[])
