@@ -46,25 +46,26 @@ def prepare(path, tokenizer_path, seq_len, pack):
     """make_datasets as the trainers call it, on a fresh cache: (seconds, of which packing's, train)."""
     import bench_data
     import data
+    import packing
     import training
     cfg = training.parse_args(["--dataset", str(path), "--seq-len", str(seq_len), "--tokenizer", str(tokenizer_path),
                                *(["--pack"] if pack else [])])
     bench_data.fresh_cache()
-    packing, real_pack = [], data.pack
+    timings, real_pack = [], packing.pack
 
     def timed_pack(*args, **kwargs):  # the packing step alone: two whole preparations differ by more noise
         start = time.perf_counter()
         result = real_pack(*args, **kwargs)
-        packing.append(time.perf_counter() - start)
+        timings.append(time.perf_counter() - start)
         return result
-    data.pack = timed_pack
+    packing.pack = timed_pack
     try:
         start = time.perf_counter()
         train_text, val_text, _ = training.load_text(cfg)
         train, _ = training.make_datasets(cfg, data.load_tokenizer(tokenizer_path), train_text, val_text)
-        return time.perf_counter() - start, sum(packing), train
+        return time.perf_counter() - start, sum(timings), train
     finally:
-        data.pack = real_pack
+        packing.pack = real_pack
 
 
 def loader_rows_per_s(dataset, batch_size, seconds=5.0):

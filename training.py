@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 import checkpointing
 import corpus
 import data
+import packing
 from checkpointing import METRICS, TOKENIZER
 # the flags live in config.py; the scripts (and the tools) reach them through this module
 from config import TRAINING_PRESETS, ArgumentParser, TrainConfig, micro_batch_size, parse_args  # noqa: F401
@@ -129,8 +130,8 @@ def make_datasets(cfg: TrainConfig, tokenizer: Tokenizer, train_text, val_text, 
     def dataset(texts, **facts):
         windows = data.tokenize(texts, tokenizer, cfg.seq_len)
         if cfg.pack:
-            return data.PackedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts,
-                                              packing=data.pack(windows, cfg.seq_len, cfg.seed))
+            return packing.PackedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts,
+                                                 packing=packing.pack(windows, cfg.seq_len, cfg.seed))
         return data.PaddedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts)
     train = dataset(train_text, corpus=fingerprint)
     val = dataset(val_text, text_bytes=corpus.text_bytes(val_text))

@@ -437,13 +437,14 @@ def test_every_rank_runs_as_many_evaluation_forwards_when_the_held_out_rows_do_n
     train_fsdp.py's val_loader (same_length) gives it a row of padding, whose targets are all
     ignored: the same number of batches on every rank, and every real target once."""
     import data
+    import packing
     import training
     from model import IGNORE_INDEX
     from test_packing import stored_windows
     windows = stored_windows([12, 30, 33, 7, 20, 33, 15, 9, 26, 18], vocab_size=300)  # 5 windows are kept
     ds = data.PaddedSequenceDataset(windows, 32, pad_id=0)
     if pack:
-        ds = data.PackedSequenceDataset(windows, 32, pad_id=0, packing=data.pack(windows, 32, seed=0))
+        ds = packing.PackedSequenceDataset(windows, 32, pad_id=0, packing=packing.pack(windows, 32, seed=0))
     assert len(ds) % 2 == 1  # uneven over 2 ranks
     loaders = [list(training.val_loader(ds, rank, 2, batch_size=2, same_length=True)) for rank in (0, 1)]
     assert len(loaders[0]) == len(loaders[1])

@@ -18,11 +18,13 @@ import corpus
 import data
 import memory
 import packed_attention
+import packing
 import training
 from conftest import (FAST, FLOOR_MULTIPLE, assert_same_model, assert_within, load_weights, metrics, run_script,
                       stopped_at_step_4,
                       train)
-from data import PackedSequenceDataset, PaddedSequenceDataset
+from data import PaddedSequenceDataset
+from packing import PackedSequenceDataset
 from errors import UsageError
 from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, LlamaRotaryEmbedding
 from test_bad_inputs import refused_in_process
@@ -35,7 +37,7 @@ PACK = ["--pack"]
 
 def one_item_at_a_time(sizes: np.ndarray, capacity: int, seed: int) -> list[list[int]]:
     """Best-fit decreasing as it is usually written, the plain formulation that
-    data.best_fit_decreasing computes in groups: each item, largest first (ties in the seed's
+    packing.best_fit_decreasing computes in groups: each item, largest first (ties in the seed's
     shuffle), into the open bin with the least room that still holds it (of those, the one
     that came to that room first), else into a new bin."""
     shuffled = np.random.default_rng(seed).permutation(len(sizes))
@@ -59,14 +61,14 @@ def test_the_packing_is_best_fit_decreasing_placed_one_window_at_a_time(capacity
     rng = np.random.default_rng(capacity)
     sizes = np.concatenate([rng.integers(1, capacity + 1, 300), rng.integers(1, capacity // 4, 300),
                             np.full(20, capacity)])  # every size, many small ones, and full rows
-    order, per_bin = data.best_fit_decreasing(sizes, capacity, seed=5)
+    order, per_bin = packing.best_fit_decreasing(sizes, capacity, seed=5)
     bins = np.split(order, np.cumsum(per_bin)[:-1])
     assert [b.tolist() for b in bins] == one_item_at_a_time(sizes, capacity, seed=5)
     assert sorted(order.tolist()) == list(range(len(sizes)))  # each window once, whole
     assert max(sizes[b].sum() for b in bins) <= capacity
     # the same on every rank and every run with the seed; another seed arranges them otherwise
-    again, _ = data.best_fit_decreasing(sizes, capacity, seed=5)
-    other, _ = data.best_fit_decreasing(sizes, capacity, seed=6)
+    again, _ = packing.best_fit_decreasing(sizes, capacity, seed=5)
+    other, _ = packing.best_fit_decreasing(sizes, capacity, seed=6)
     assert np.array_equal(again, order) and not np.array_equal(other, order)
 
 
@@ -84,7 +86,7 @@ def fineweb_shaped_windows(seq_len: int, documents: int = 30_000) -> np.ndarray:
 def test_packing_leaves_under_2_percent_padding_where_one_window_a_row_leaves_28_to_48(seq_len, padded_share):
     sizes = fineweb_shaped_windows(seq_len)
     assert 1 - sizes.sum() / (len(sizes) * seq_len) == pytest.approx(padded_share, abs=0.02)
-    _, per_row = data.best_fit_decreasing(sizes, seq_len, seed=1337)
+    _, per_row = packing.best_fit_decreasing(sizes, seq_len, seed=1337)
     assert 1 - sizes.sum() / (len(per_row) * seq_len) < 0.02
 
 
@@ -104,7 +106,7 @@ def test_a_packed_row_is_its_windows_as_each_reads_alone_one_after_another_then_
     lengths = np.random.default_rng(1).integers(2, 18, 300).tolist() + [17] * 20  # up to seq_len + 1
     windows = stored_windows(lengths)
     padded = PaddedSequenceDataset(windows, seq_len=16, pad_id=0)
-    packed = PackedSequenceDataset(windows, seq_len=16, pad_id=0, packing=data.pack(windows, 16, seed=3))
+    packed = PackedSequenceDataset(windows, seq_len=16, pad_id=0, packing=packing.pack(windows, 16, seed=3))
     assert len(packed) < 0.7 * len(padded)
     rows = torch.utils.data.DataLoader(packed, batch_size=len(packed))  # read a batch at a time (__getitems__)
     (x, y, position_ids), = list(rows)
@@ -130,13 +132,13 @@ def test_packing_happens_once_and_is_read_back_from_the_cache(tmp_path):
     texts = corpus.load_corpus(str(tmp_path / "c.txt"))
     tokenizer = data.train_tokenizer(texts, vocab_size=300)
     windows = data.tokenize(texts, tokenizer, seq_len=16)
-    first = data.pack(windows, 16, seed=1)
+    first = packing.pack(windows, 16, seed=1)
     written = [os.stat(f["filename"]) for f in first.cache_files]
-    second = data.pack(windows, 16, seed=1)  # what the other ranks and later runs do
+    second = packing.pack(windows, 16, seed=1)  # what the other ranks and later runs do
     assert first.cache_files and first.cache_files == second.cache_files
     assert [(st.st_ino, st.st_mtime_ns) for st in map(os.stat, (f["filename"] for f in second.cache_files))] == \
         [(st.st_ino, st.st_mtime_ns) for st in written]
-    assert data.pack(windows, 16, seed=2).cache_files != first.cache_files  # another seed: another packing
+    assert packing.pack(windows, 16, seed=2).cache_files != first.cache_files  # another seed: another packing
 
 
 # ---- the attention ----------------------------------------------------------------------------
@@ -219,7 +221,7 @@ def both_layouts(seq_len=300, seed=0):
     lengths = np.random.default_rng(seed).integers(2, seq_len + 2, 40).tolist()
     windows = stored_windows(lengths, seed, vocab_size=300)  # small_model's
     padded = PaddedSequenceDataset(windows, seq_len, pad_id=0)
-    packed = PackedSequenceDataset(windows, seq_len, pad_id=0, packing=data.pack(windows, seq_len, seed))
+    packed = PackedSequenceDataset(windows, seq_len, pad_id=0, packing=packing.pack(windows, seq_len, seed))
     assert len(packed) < len(padded)
     return (torch.utils.data.default_collate(padded.__getitems__(list(range(len(padded))))),
             torch.utils.data.default_collate(packed.__getitems__(list(range(len(packed))))), packed.packing)

@@ -1,0 +1,125 @@
+"""--pack: the windows of data.py placed several to a row of seq_len positions, so that a
+row is mostly tokens rather than padding. Which windows share a row is decided once (pack,
+best-fit decreasing) and cached beside the windows; PackedSequenceDataset reads the rows,
+each window with its positions from 0, and packed_attention.py keeps each window to itself.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import datasets
+import numpy as np
+import pyarrow.compute
+import torch
+
+from data import IGNORE_INDEX, PaddedSequenceDataset
+from errors import UsageError
+
+
+def pack(windows: datasets.Dataset, seq_len: int, seed: int) -> datasets.Dataset:
+    """Which windows each row of seq_len positions holds (column "windows": their indices),
+    decided once: `datasets` caches it beside the windows. A window fills as many positions
+    as it has targets. Only the windows' lengths are read (from the Arrow column), so memory
+    is a few integers a window, whatever their tokens."""
+    if len(windows) >= 2**31:
+        raise UsageError(f"--pack: {len(windows):,} windows, more than one packing holds (2**31 - 1): "
+                         "train on part of the corpus at a time, or without --pack")
+    return windows.with_format("arrow").map(
+        _pack, batched=True, batch_size=None, remove_columns=windows.column_names,  # all windows at once
+        fn_kwargs={"seq_len": seq_len, "seed": seed}, desc="packing",
+        features=datasets.Features({"windows": datasets.Sequence(datasets.Value("uint32"))})).with_format(None)
+
+
+def _pack(table, seq_len: int, seed: int):
+    import pyarrow as pa
+    positions = pyarrow.compute.list_value_length(table["input_ids"]).to_numpy() - 1  # x = window[:-1]
+    order, windows_per_row = best_fit_decreasing(positions, seq_len, seed)
+    offsets = np.concatenate([[0], np.cumsum(windows_per_row)]).astype(np.int32)
+    return pa.table({"windows": pa.ListArray.from_arrays(offsets, order.astype(np.uint32))})
+
+
+def best_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bins of `capacity` for items of `sizes` (each 1 to capacity): the items, largest first,
+    each into the fullest bin it fits (a new one if none), ties between items of one size
+    broken by a shuffle of `seed`. Returns the items bin after bin, each bin's in the order
+    they went in, and the number of items in each bin. Deterministic: the same sizes and seed
+    give the same bins, on every rank.
+
+    Sizes are integers up to capacity, so the items of one size are placed together: while
+    the fullest bins that fit them (all with the same room) can take several each, they take
+    as many as fit, as one at a time would; then the next fullest. A Python step per group,
+    not per item: 1.2 million windows of FineWeb-shaped documents in 0.3 s."""
+    n = len(sizes)
+    shuffled = np.random.default_rng(seed).permutation(n)
+    order = shuffled[np.argsort(-sizes[shuffled], kind="stable")]  # largest first; ties in the seed's order
+    per_size = np.bincount(sizes, minlength=capacity + 1)
+    bin_of = np.empty(n, dtype=np.int64)
+    with_room = [[] for _ in range(capacity)]  # with_room[r]: the open bins with r positions free, oldest first
+    bins = placed = 0
+    for size in range(capacity, 0, -1):
+        left = int(per_size[size])
+        while left:
+            room = next((r for r in range(size, capacity) if with_room[r]), capacity)  # the fullest that fits
+            each = room // size  # items of this size one such bin takes
+            if room == capacity:  # none fits: new bins
+                targets, bins = list(range(bins, bins + -(-left // each))), bins + -(-left // each)
+            else:
+                k = min(len(with_room[room]), -(-left // each))
+                targets, with_room[room] = with_room[room][:k], with_room[room][k:]
+            taken = np.full(len(targets), each)
+            taken[-1] = min(left, each * len(targets)) - each * (len(targets) - 1)  # the last may take fewer
+            bin_of[order[placed:placed + taken.sum()]] = np.repeat(targets, taken)
+            placed, left = placed + int(taken.sum()), left - int(taken.sum())
+            for b, r in zip(targets, (room - taken * size).tolist()):
+                if r:
+                    with_room[r].append(b)
+    by_bin = order[np.argsort(bin_of[order], kind="stable")]
+    return by_bin, np.bincount(bin_of, minlength=bins)
+
+
+
+@dataclass
+class PackedSequenceDataset(PaddedSequenceDataset):
+    """--pack: the windows of PaddedSequenceDataset, placed several to a row by `pack`, so
+    that a row of seq_len positions is mostly tokens rather than padding. Items are (x, y,
+    position_ids), each (seq_len,) int64: a row's windows one after another, each window's
+    inputs and targets as PaddedSequenceDataset gives them and its positions counted from 0,
+    then padding to seq_len (positions again from 0: a window of padding, which no real
+    token sees). The model keeps each window to itself (packed_attention.window_mask)."""
+
+    packing: datasets.Dataset | None = None  # column "windows": the windows each row holds, in order
+
+    def __len__(self):
+        return len(self.packing)
+
+    @functools.cached_property
+    def targets(self) -> np.ndarray:
+        """The real targets of each row: those of its windows."""
+        column = self.packing.with_format("arrow")[:]["windows"].combine_chunks()
+        return np.add.reduceat(self.window_targets[column.flatten().to_numpy()], column.offsets.to_numpy()[:-1])
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        packed = self.packing.with_format("arrow")[indices]["windows"].combine_chunks()
+        per_row = np.diff(packed.offsets.to_numpy())  # windows in each row
+        column = self.rows.with_format("arrow")[packed.flatten().to_numpy().tolist()]["input_ids"].combine_chunks()
+        starts = column.offsets.to_numpy()  # where each window's tokens begin in `tokens` (and the end)
+        tokens = column.flatten().to_numpy().astype(np.int64)  # the batch's windows, one after another
+        fills = np.diff(starts) - 1  # positions each window fills: its targets
+        used = np.add.reduceat(fills, np.cumsum(per_row) - per_row)  # positions each row's windows fill
+        if (used > self.seq_len).any():
+            raise ValueError(f"a packed row holds more than seq_len = {self.seq_len} positions")
+        # For every input position of the batch, in window order: its position in its window,
+        # where its token lies in `tokens`, and where it goes in the (rows, seq_len) batch.
+        before = np.repeat(np.cumsum(fills) - fills, fills)  # positions of the windows before its own
+        within = np.arange(fills.sum()) - before
+        source = np.repeat(starts[:-1], fills) + within
+        row_start = np.repeat(np.arange(len(indices)) * self.seq_len - (np.cumsum(used) - used), used)
+        target = row_start + np.arange(fills.sum())
+        x = np.full((len(indices), self.seq_len), self.pad_id, dtype=np.int64)
+        y = np.full((len(indices), self.seq_len), IGNORE_INDEX, dtype=np.int64)
+        position_ids = np.maximum(np.arange(self.seq_len) - used[:, None], 0)  # after the windows: 0, 1, 2, ...
+        x.flat[target], y.flat[target], position_ids.flat[target] = tokens[source], tokens[source + 1], within
+        return list(zip(torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(position_ids)))
+
+    def padding_row(self):
+        return (*super().padding_row(), torch.arange(self.seq_len))  # one window of padding
