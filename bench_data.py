@@ -155,8 +155,8 @@ def loader_rows_per_s(dataset, batch_size: int, seconds: float = 10.0) -> float:
     import data
     sampler = data.ResumableDistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True)
     rows, start = 0, time.perf_counter()
-    for x, _ in torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True):
-        rows += len(x)
+    for batch in torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True):
+        rows += len(batch[0])  # (x, y), or (x, y, position_ids) for packed rows
         if time.perf_counter() - start > seconds:
             break
     return rows / (time.perf_counter() - start)

@@ -68,18 +68,6 @@ def prepare(path, tokenizer_path, seq_len, pack):
         packing.pack = real_pack
 
 
-def loader_rows_per_s(dataset, batch_size, seconds=5.0):
-    import torch
-    import data
-    sampler = data.ResumableRandomSampler(dataset, seed=0)
-    rows, start = 0, time.perf_counter()
-    for batch in torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True):
-        rows += len(batch[0])
-        if time.perf_counter() - start > seconds:
-            break
-    return rows / (time.perf_counter() - start)
-
-
 def batches(dataset, batch_size, n, device):
     """n shuffled batches of the layout, on the device: (x, y, position_ids or None)."""
     import torch
@@ -191,7 +179,7 @@ def main():
         for name, pack in (("padded", False), ("packed", True)):
             seconds, packing, train = prepare(path, tokenizer_path, seq_len, pack)
             layouts[name] = {"prep_s": seconds, "pack_s": packing, "facts": train.facts, "train": train,
-                             "loader_rows_per_s": loader_rows_per_s(train, args.batch_size)}
+                             "loader_rows_per_s": bench_data.loader_rows_per_s(train, args.batch_size, seconds=5.0)}
         step, dtype, flops_per_token = trainer(args, vocab_size, seq_len, device)
         for layout in layouts.values():  # every step a batch of its own: a fair sample of the padding
             layout["batches"] = batches(layout["train"], args.batch_size, 2 + args.steps * args.rounds, device)

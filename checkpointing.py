@@ -367,7 +367,7 @@ def write_run_files(out_dir: str, tokenizer: Tokenizer, model: LlamaForPretraini
     atomic_save(json.dumps(dataclasses.asdict(model.config), indent=2), out / CONFIG)
 
 
-def _shapes(state) -> dict:
+def shapes_of(state) -> dict:
     return {k: v.shape for k, v in state.items() if isinstance(v, torch.Tensor)} if isinstance(state, dict) else {}
 
 
@@ -433,12 +433,10 @@ def unusable_weight(state: dict) -> str | None:
                 None)
 
 
-def weight_shapes(path: Path) -> dict:
-    """The shape of every model weight in a .pt file or a sharded checkpoint folder."""
-    if path.is_dir():
-        import sharded_checkpointing  # only for train_fsdp.py's folders
-        return sharded_checkpointing.model_shapes({"path": str(path)})
-    return _shapes(weights_in(path))
+def folder_weight_shapes(path: Path) -> dict:
+    """The shape of every model weight in a sharded checkpoint folder (a .pt file's: shapes_of(weights_in))."""
+    import sharded_checkpointing  # only for train_fsdp.py's folders
+    return sharded_checkpointing.model_shapes({"path": str(path)})
 
 
 def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
@@ -457,7 +455,7 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
     ckpt = None
     if (out / MODEL).is_file():
         state = load_pt(out / MODEL, "weights")
-        saved = _shapes(state)
+        saved = shapes_of(state)
     elif sharded_checkpoints(out) and not (out / CHECKPOINT).is_file():  # an unfinished train_fsdp.py run
         import sharded_checkpointing  # here: DCP, which the other scripts' folders never need
         ckpt = sharded_checkpointing.load_latest_checkpoint(out)
@@ -471,7 +469,7 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
         warn(f"no {MODEL} in {out} (the run has not finished): using {Path(ckpt['path']).name}, "
              f"step {ckpt['step']}")
         state = ckpt["model"]
-        saved = _shapes(state)
+        saved = shapes_of(state)
     if differ := shape_difference(saved, expected):  # before the model is allocated
         name, there, here = differ
         raise UsageError(f"the weights in {out} do not fit its {CONFIG}: {name} is {there} in the weights, "

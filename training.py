@@ -213,14 +213,15 @@ def init_weights(model: LlamaForPretraining, cfg: TrainConfig):
 def check_init_from(cfg: TrainConfig, vocab_size: int):
     """--init-from's weights must have the shapes of the model this run builds: a clear line
     before anything is allocated or written, not a failed copy."""
-    saved = checkpointing.weight_shapes(Path(cfg.init_from))
+    path = Path(cfg.init_from)
+    state = None if path.is_dir() else checkpointing.weights_in(path)  # a .pt file: read once, memory-mapped
+    saved = checkpointing.folder_weight_shapes(path) if state is None else checkpointing.shapes_of(state)
     expected = checkpointing.model_shapes(LlamaConfig(vocab_size=vocab_size, **PRESETS[cfg.model]))
     if differ := checkpointing.shape_difference(saved, expected):
         name, there, here = differ
         raise UsageError(f"--init-from {cfg.init_from}: its weights do not fit --model {cfg.model} with its "
                          f"{vocab_size:,}-token vocabulary: {name} is {there} there, {here} here")
-    if Path(cfg.init_from).is_file() and (name := checkpointing.unusable_weight(
-            checkpointing.weights_in(Path(cfg.init_from)))):  # a .pt file (one pass over it, memory-mapped)
+    if state is not None and (name := checkpointing.unusable_weight(state)):  # one pass over the file's values
         raise UsageError(f"--init-from {cfg.init_from}: {name} is not finite floating point (NaN, inf or "
                          "integers): no run can start from these weights")
 
