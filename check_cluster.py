@@ -40,7 +40,7 @@ from errors import ArgumentParser, UsageError, first_line
 # what decides where the ranks meet and over which network: printed when a wait fails
 NETWORK_ENV = ["MASTER_ADDR", "MASTER_PORT", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE",
                "NCCL_P2P_DISABLE", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING"]
-MUST_AGREE = ["torch", "cuda", "nccl", "gpu"]  # a difference in any of these breaks or slows a job
+MUST_AGREE = ["world_size", "torch", "cuda", "nccl", "gpu"]  # a difference in any of these breaks or slows a job
 STORE = None  # the job's store, once reached: the ranks agree through it on which one reports a failure
 
 
@@ -51,7 +51,8 @@ class Failed(Exception):
 def this_rank(device: torch.device) -> dict:
     """What this rank runs on. GROUP_RANK: torchrun's node number (hosts may share a name)."""
     gpu = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
-    return {"node": int(os.environ.get("GROUP_RANK", 0)), "host": socket.gethostname(),
+    return {"world_size": int(os.environ.get("WORLD_SIZE", 1)),
+            "node": int(os.environ.get("GROUP_RANK", 0)), "host": socket.gethostname(),
             "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
             "device": f"{gpu.name}, {gpu.total_memory / 2**30:.0f} GiB" if gpu else f"CPU, {usable_cores()} cores",
             "gpu": gpu.name if gpu else None, "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -68,12 +69,19 @@ def settings() -> str:
 
 class Meeting:
     """Bounded waits, through the job's store, which every rank reaches over TCP even when a
-    collective hangs. Each rank leaves a mark in it as it reaches a step, and a timer ends the
-    check at the deadline, whatever the step is stuck in (a collective, a connection NCCL
-    makes, the store itself): it names the ranks that never reached the step."""
+    collective hangs. Each rank leaves a mark in it as it reaches a step; one deadline per step
+    ends the check, whatever the step is stuck in (a collective, a connection NCCL makes, the
+    store itself), with one line naming the ranks that never reached the step."""
 
     def __init__(self, store, rank: int, world_size: int, timeout: float):
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
+
+    def arrive(self):
+        """Each rank number is taken once: two processes given the same RANK (by hand, or a
+        launcher misconfigured) are named at once, not later as a rank that never came."""
+        if self.store.add(f"check/rank {self.rank} arrived", 1) > 1:
+            raise Failed(f"two processes have RANK={self.rank}: give each process of the job its own rank "
+                         f"(0 to {self.world_size - 1}), or start them with torchrun")
 
     def mark(self, step: str, value: str = "reached"):
         self.store.set(f"check/{step}/{self.rank}", value)
@@ -105,12 +113,15 @@ class Meeting:
             timer.cancel()
 
     def share(self, step: str, value) -> list:
-        """Every rank's JSON value for step, on every rank."""
-        with self.deadline(step, "the store"):
+        """Every rank's JSON value for step, on every rank. The store's own wait is the
+        deadline here: when it ends, this thread names who is missing (no timer to race it)."""
+        keys = [f"check/{step}/{r}" for r in range(self.world_size)]
+        try:
             self.mark(step, json.dumps(value))
-            keys = [f"check/{step}/{r}" for r in range(self.world_size)]
-            self.store.wait(keys, datetime.timedelta(seconds=2 * self.timeout))  # the deadline comes first
+            self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
             return [json.loads(self.store.get(key)) for key in keys]
+        except (dist.DistError, RuntimeError):  # a timeout, or a store that went away
+            raise Failed(self.stalled(step, "the store", None)) from None
 
 
 def end(message: str, store=None):
@@ -201,8 +212,17 @@ def main():
         torch.cuda.set_device(device)
     backend = "nccl" if cuda else "gloo"
     global STORE
-    store = STORE = launcher.job_store(2 * args.timeout_seconds / 60)  # the check's own deadlines come first
+    started = time.monotonic()
+    try:  # bounded by the store's own timeout; rank 0 hosts it when there is no torchrun, and
+        # does not wait there for the others: the first shared step below names who never came
+        store = STORE = launcher.job_store(args.timeout_seconds / 60, wait_for_workers=False)
+    except (dist.DistError, RuntimeError) as e:
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise Failed(f"rank {rank} could not reach the job's store at {where} in {time.monotonic() - started:.0f} s "
+                     f"({first_line(e).rstrip('.')}). Network settings: {settings()}. "
+                     "What to try: docs/multi-node.md") from None
     meeting = Meeting(store, rank, world_size, args.timeout_seconds)
+    meeting.arrive()
     ranks = meeting.share("rank facts", this_rank(device))
     if rank == 0:
         print(table(ranks), flush=True)

@@ -445,7 +445,7 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
     unfinished."""
     out = Path(out_dir)
     if not os.path.lexists(out / CONFIG):  # something there is read as a config.json must be (corpus.read_text)
-        raise UsageError(f"{out} is not an output folder of train_dp.py/train_ddp.py (no {CONFIG})")
+        raise UsageError(f"{out} is not the output folder of a training run (no {CONFIG})")
     text = corpus.read_text(out / CONFIG, "model config", 2**20)
     try:
         config = LlamaConfig(**json.loads(text))

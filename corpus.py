@@ -176,13 +176,7 @@ def load_corpus(dataset: str, dataset_config: str | None = None, split: str | No
         parts = []
         for builder in sorted({file_builder(f) for f in files}):
             data_files = [str(f) for f in files if file_builder(f) == builder]
-            try:
-                with _reported_by_us():
-                    part = datasets.load_dataset(builder, data_files=data_files, split="train",
-                                                 **BUILDER_OPTIONS.get(builder, {}))
-            except Exception as e:  # datasets raises many types for unreadable files
-                raise UsageError(f"cannot read {dataset}: {first_line(e)}") from None
-            parts.append(_text_column(part, text_column, dataset))
+            parts.append(_text_column(_load_files(builder, data_files, dataset), text_column, dataset))
         if len({part.features["text"].dtype for part in parts}) > 1:  # .csv reads large_string, .txt string
             parts = [part.cast_column("text", datasets.Value("large_string")) for part in parts]
         ds = datasets.concatenate_datasets(parts)
@@ -197,6 +191,26 @@ def load_corpus(dataset: str, dataset_config: str | None = None, split: str | No
     if len(ds) == 0:
         raise UsageError(f"dataset {dataset} has no non-empty documents")
     return ds
+
+
+def _load_files(builder: str, data_files: list[str], dataset: str) -> datasets.Dataset:
+    """The files, read by one `datasets` builder. Its errors do not name the file ("JSON parse
+    error ... in row 30"): on that path only, the files are read again one at a time, in order,
+    up to the first that fails, which the one line names."""
+    def load(files):
+        with _reported_by_us():
+            return datasets.load_dataset(builder, data_files=files, split="train", **BUILDER_OPTIONS.get(builder, {}))
+    try:
+        return load(data_files)
+    except Exception as e:  # datasets raises many types for unreadable files
+        where = dataset
+        for f in data_files if len(data_files) > 1 else []:
+            try:
+                load([f])
+            except Exception as in_file:
+                e, where = in_file, f
+                break
+        raise UsageError(f"cannot read {where}: {first_line(e)}") from None
 
 
 def _text_column(ds: datasets.Dataset, column: str, name: str) -> datasets.Dataset:

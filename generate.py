@@ -3,8 +3,8 @@
     python generate.py out --prompt "def main(" --max-new-tokens 200
     python generate.py out --prompt "import os" --temperature 0      # greedy: always the same text
 
-Reads config.json, tokenizer.json and model.pt from the output folder of train_dp.py or
-train_ddp.py (or its newest checkpoint while the run is unfinished). The prompt is framed
+Reads config.json, tokenizer.json and model.pt from the output folder of any of the three
+training scripts (or its newest checkpoint while the run is unfinished). The prompt is framed
 the way training framed documents, [BOT] + text; generation ends at [EOT] or after
 --max-new-tokens, and the text is printed without special tokens.
 
@@ -98,8 +98,8 @@ def main(argv=None):
     trained = model.config.trained_context  # the run's --seq-len
     max_new_tokens = args.max_new_tokens or max(1, min(200, trained - len(prompt_ids)))  # within what it saw
     if len(prompt_ids) + max_new_tokens > room:
-        raise UsageError(f"the prompt ({len(prompt_ids)} tokens) plus --max-new-tokens {max_new_tokens} "
-                         f"exceed the model's {room} positions")
+        asked = f"plus --max-new-tokens {max_new_tokens}" if args.max_new_tokens else "and one new token"
+        raise UsageError(f"the prompt ({len(prompt_ids)} tokens) {asked} exceed the model's {room} positions")
     if len(prompt_ids) + max_new_tokens > trained:  # RoPE reaches there; the model has never been
         launcher.warn(f"the model was trained on sequences of {trained} tokens: the prompt ({len(prompt_ids)} "
                       f"tokens) plus {max_new_tokens} new ones go past what it has seen")

@@ -165,9 +165,11 @@ def agreed(stop_requested: bool, group) -> bool:
     return bool(flag.item())
 
 
-def job_store(timeout_minutes: float):
+def job_store(timeout_minutes: float, wait_for_workers: bool = True):
     """The store dist.init_process_group meets the other ranks through: torchrun's, with a
-    prefix per restart (or, under plain `python`, one for a world of one)."""
+    prefix per restart (or, under plain `python`, one for a world of one). Launched without
+    torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand), rank 0 hosts it and,
+    unless told not to, waits there for the others to connect."""
     timeout = datetime.timedelta(minutes=timeout_minutes)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if ("RANK" in os.environ or world_size > 1) and not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
@@ -176,13 +178,21 @@ def job_store(timeout_minutes: float):
         raise UsageError(f"RANK={os.environ.get('RANK', '(unset)')} WORLD_SIZE={os.environ.get('WORLD_SIZE', '(unset)')} "
                          "without MASTER_ADDR and MASTER_PORT: start the ranks with torchrun, or unset RANK and "
                          "WORLD_SIZE to train as one process")
-    if "RANK" in os.environ:  # MASTER_ADDR/PORT, RANK and WORLD_SIZE come from torchrun
-        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
-        # torchrun shares its rendezvous store with the workers and keeps it when it restarts
-        # them (--max-restarts): keys of each attempt get their own prefix, or a restarted
-        # rank can read a dead peer's address and fail to connect (pytorch/pytorch#135712).
-        return dist.PrefixStore(f"attempt{restart_count()}/", store)
-    return dist.HashStore()
+    if not 0 <= rank < world_size:
+        raise UsageError(f"RANK={rank} is not a rank of WORLD_SIZE={world_size} (0 to {world_size - 1})")
+    if "RANK" not in os.environ:
+        return dist.HashStore()
+    port = os.environ["MASTER_PORT"]
+    if not (port.isdigit() and int(port) < 2**16):
+        raise UsageError(f"MASTER_PORT={port} is not a port number (0 to 65535)")
+    # torchrun hosts the store itself (TORCHELASTIC_USE_AGENT_STORE) and shares it with the
+    # workers, keeping it when it restarts them (--max-restarts): keys of each attempt get their
+    # own prefix, or a restarted rank can read a dead peer's address and fail to connect
+    # (pytorch/pytorch#135712). What dist.rendezvous("env://") does, with wait_for_workers.
+    by_torchrun = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(port), world_size, is_master=rank == 0 and not by_torchrun,
+                          timeout=timeout, wait_for_workers=wait_for_workers, multi_tenant=True)
+    return dist.PrefixStore(f"attempt{restart_count()}/", store)
 
 
 def side_groups(backend: str, timeout_minutes: float, data_timeout_minutes: float):

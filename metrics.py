@@ -222,7 +222,8 @@ class WandbSink:
     metrics.jsonl kept and W&B has not seen, then its own; the steps it trains again keep
     the values first sent (the same losses; other timings)."""
 
-    def __init__(self, out: Path, cfg: TrainConfig, kept: list[dict], logged: int):
+    def __init__(self, out: Path, cfg: TrainConfig, logged: int):
+        """Starts the W&B run; nothing of ours is written until begin()."""
         import wandb
         self.state = out / WANDB_RUN
         run_id, self.sent = self.read_state()
@@ -237,6 +238,9 @@ class WandbSink:
             raise UsageError(f"--wandb {cfg.wandb}: W&B could not start the run ({first_line(e)}); log in with "
                              "`wandb login`, or keep the run on disk with WANDB_MODE=offline") from None
         self.run_id, self.sent_before = run_id, self.sent  # earlier sessions sent the steps up to sent_before
+
+    def begin(self, kept: list[dict]):
+        """The rows metrics.jsonl kept, then the run file: once every tracker has started."""
         for row in kept:
             self.send(row)
         self.save_state()
@@ -283,11 +287,19 @@ class MetricsLog:
         logged = read_metrics(path, warn_if_torn=False)
         kept = [row for row in logged if row["step"] <= resume_step]
         kept = kept or ([{"step": 0, **facts}] if facts else [])  # a new run's first row
-        # the trackers first: one that cannot start (W&B without a login) stops the run before any write,
-        # W&B's own check before TensorBoard writes its first event file
-        wandb_sink = WandbSink(out, cfg, kept, max((row["step"] for row in logged), default=0)) if cfg.wandb else None
-        trackers = [TensorBoardSink(out, cfg, kept)] if cfg.tensorboard else []
-        trackers += [wandb_sink] if wandb_sink else []
+        # the trackers first: one that cannot start (W&B without a login, a read-only tensorboard/) stops
+        # the run before any write of ours: W&B starts before TensorBoard writes its first event file,
+        # and writes its run file (which marks the folder as a run's) only once TensorBoard has started
+        wandb_sink = WandbSink(out, cfg, max((row["step"] for row in logged), default=0)) if cfg.wandb else None
+        try:
+            trackers = [TensorBoardSink(out, cfg, kept)] if cfg.tensorboard else []
+        except UsageError:
+            if wandb_sink:
+                wandb_sink.close()  # the W&B run ends with nothing logged
+            raise
+        if wandb_sink:
+            wandb_sink.begin(kept)
+            trackers.append(wandb_sink)
         atomic_save("".join(json.dumps(row) + "\n" for row in kept), path)
         self.sinks = [JsonlSink(path), *trackers]
 

@@ -196,6 +196,9 @@ def init_weights(model: LlamaForPretraining, cfg: TrainConfig):
         if weights.is_dir():  # a train_fsdp.py checkpoint: DCP reads each rank's part
             import sharded_checkpointing
             sharded_checkpointing.load_model(weights, model)
+            if not weights_finite(model):  # a .pt file's values were checked before anything was written
+                raise UsageError(f"--init-from {cfg.init_from}: its weights are not all finite (NaN or inf): no run "
+                                 "can start from these weights")
             values = ()
         else:
             state = checkpointing.weights_in(weights)

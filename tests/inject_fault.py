@@ -30,6 +30,10 @@ first attempt only: after torchrun restarts the workers, the run goes on unharme
                       the first, as a rank whose network is cut would
     other-torch       (check_cluster.py) this rank reports torch 2.99.0, as a node with another
                       installation would; FAULT_STEP is unused
+    never-start       this rank blocks forever before the script starts, as a rank whose node never
+                      launched it would
+    same-rank         this rank is given RANK=0 too, as a process launched by hand with a copied line
+    other-world-size  this rank is given WORLD_SIZE one larger than the others'
     none              no fault: the run as it is, only recorded
 Each process records how it ended in $FAULT_LOG_DIR/exit-rank<RANK>.txt. Whatever the fault
 patched is restored when the script ends, so that a test can run this in its own process.
@@ -198,6 +202,15 @@ if "stall-collective" in faults and armed:
 
 if "other-torch" in faults and armed:
     patch(torch, "__version__", "2.99.0")
+
+if "never-start" in faults and armed:
+    threading.Event().wait()
+
+if "same-rank" in faults and armed:
+    os.environ["RANK"] = "0"
+
+if "other-world-size" in faults and armed:
+    os.environ["WORLD_SIZE"] = str(int(os.environ["WORLD_SIZE"]) + 1)
 
 status = "exception"
 try:

@@ -525,6 +525,29 @@ def test_init_from_weights_that_no_run_can_start_from_is_refused_before_anything
                        capsys)
 
 
+def test_init_from_a_sharded_checkpoint_whose_weights_are_not_finite_is_refused_before_anything_is_written(
+        runs, tmp_path, capsys):
+    """The same for a train_fsdp.py checkpoint folder, read by DCP into the model itself (its
+    values are known only then, before the run writes its first file)."""
+    import torch.distributed.checkpoint as dcp
+    import sharded_checkpointing
+    import training
+    from test_fsdp import fsdp_two_ranks
+    source = shutil.copytree(fsdp_two_ranks(runs), tmp_path / "source") / "checkpoint-00000008"
+    model = training.build_model(training.parse_args(["--vocab-size", "300", "--seq-len", "32"]), 300, torch.float32)
+    sharded_checkpointing.load_model(source, model)
+    with torch.no_grad():
+        model.base_model.norm.weight[3] = float("nan")
+    for f in [*source.glob("*.distcp"), source / ".metadata"]:
+        f.unlink()
+    dcp.save({"model": model.state_dict()}, checkpoint_id=source, no_dist=True)
+    fast = [a for a in FAST if a not in ("--vocab-size", "300")]
+    out = tmp_path / "new"
+    out.mkdir()
+    refused_in_process("train_dp.py", ["--dataset", str(runs.corpus), *fast, "--init-from", str(source)], out,
+                       f"--init-from {source}: its weights are not all finite (NaN or inf)", capsys)
+
+
 def test_init_from_weights_in_torchs_legacy_format_starts_there(finished_run, tmp_path):
     """torch.save(..., _use_new_zipfile_serialization=False) cannot be memory-mapped: it is read whole."""
     import checkpointing

@@ -2,6 +2,7 @@
 communicate, and when they do not, which rank is the problem, in one line."""
 
 import datetime
+import socket
 import subprocess
 import sys
 import time
@@ -82,6 +83,50 @@ def test_a_rank_that_never_joins_ends_the_others_within_the_timeout_with_one_lin
     print(f"ended {ended - table_printed:.1f} s after the table, {ended - started:.1f} s after the launch")
 
 
+@pytest.mark.parametrize("fault, message", [
+    ("never-start", "error: rank facts over the store did not complete within 3 s: rank 1 of 2 never joined it "
+                    "(rank 0 did). Network settings: "),
+    ("same-rank", "error: two processes have RANK=0: give each process of the job its own rank (0 to 1), or start "
+                  "them with torchrun"),
+    ("other-world-size", "error: rank 1 has world_size 3, rank 0 has 2: every rank needs the same"),
+])
+def test_a_launch_gone_wrong_is_one_line_naming_the_rank_within_the_timeout(tmp_path, fault, message):
+    """Rank 1 never starts, or starts as a second rank 0, or with another WORLD_SIZE. Each is
+    named by one line, and the check ends within its one deadline (--timeout-seconds 3; torchrun
+    then ends the rank left waiting), whatever the timing of the ranks."""
+    env = launch_env({**fault_env(tmp_path, fault, step=0), "FAULT_RANK": "1"})
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(REPO / "tests" / "inject_fault.py"), str(REPO / "check_cluster.py"),
+                           "--timeout-seconds", "3"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - started
+    [line] = error_lines(proc.stderr)
+    assert line.startswith(message), proc.stderr
+    assert "exitcode  : 2" in proc.stderr and no_traceback_of_ours(proc.stderr)
+    assert took < 3 + 30, f"{took:.1f} s"  # the deadline, and torchrun's start and end around it
+    print(f"{fault}: {took:.1f} s")
+
+
+def test_by_hand_without_torchrun_a_missing_rank_is_named_and_an_unreachable_store_is_one_line():
+    """Launched by hand (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), rank 0 hosts the store
+    and does not wait there for the others: rank 1, which never comes, is named after the
+    deadline. Rank 1 alone, with no rank 0 to host the store, says so."""
+    with socket.socket() as s:  # a port nobody listens on, once this closes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    by_hand = {"LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    ended = {}
+    for rank in (0, 1):
+        proc = subprocess.run([sys.executable, str(REPO / "check_cluster.py"), "--timeout-seconds", "3"], cwd=REPO,
+                              env=launch_env({**by_hand, "RANK": str(rank)}), capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2 and no_traceback_of_ours(proc.stderr), proc.stderr
+        [ended[rank]] = error_lines(proc.stderr)
+    assert ended[0].startswith("error: rank facts over the store did not complete within 3 s: rank 1 of 2 never "
+                               f"joined it (rank 0 did). Network settings: MASTER_ADDR=127.0.0.1 MASTER_PORT={port}")
+    assert ended[1].startswith(f"error: rank 1 could not reach the job's store at 127.0.0.1:{port} in ")
+
+
 def test_a_rank_with_another_torch_makes_the_check_exit_2_naming_the_rank_and_both_versions(tmp_path):
     env = launch_env({**fault_env(tmp_path, "other-torch", step=0), "FAULT_RANK": "1"})
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -95,12 +140,14 @@ def test_a_rank_with_another_torch_makes_the_check_exit_2_naming_the_rank_and_bo
 
 
 def test_any_difference_in_gpu_kind_or_nccl_is_called_out():
-    a100 = {"node": 0, "host": "a", "local_rank": 0, "device": "A100", "gpu": "NVIDIA A100-SXM4-80GB",
+    a100 = {"world_size": 2, "node": 0, "host": "a", "local_rank": 0, "device": "A100", "gpu": "NVIDIA A100-SXM4-80GB",
             "torch": "2.13.0", "cuda": "13.0", "nccl": "2.27.3"}
     assert check_cluster.differences([a100, dict(a100, local_rank=1)]) is None
     assert check_cluster.differences([a100, dict(a100, gpu="NVIDIA H100 80GB HBM3")]) == (
         "rank 1 has gpu NVIDIA H100 80GB HBM3, rank 0 has NVIDIA A100-SXM4-80GB: every rank needs the same")
     assert check_cluster.differences([a100, a100, dict(a100, nccl="2.21.5")]).startswith("rank 2 has nccl 2.21.5")
+    assert check_cluster.differences([a100, dict(a100, world_size=3)]) == (
+        "rank 1 has world_size 3, rank 0 has 2: every rank needs the same")
 
 
 @pytest.mark.parametrize("flags, message", [

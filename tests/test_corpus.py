@@ -100,6 +100,18 @@ def test_a_zstd_shard_is_read_or_names_the_package_it_needs(tmp_path):
             corpus.load_corpus(str(tmp_path))
 
 
+def test_a_damaged_row_in_one_of_several_files_names_that_file(tmp_path):
+    """`datasets` says "JSON parse error ... in row 30" without the file; among hundreds of
+    shards the user needs the file."""
+    rows = "".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(30))
+    (tmp_path / "a.jsonl").write_text(rows)
+    (tmp_path / "b.jsonl").write_text(rows + '{"text": broken\n')
+    (tmp_path / "c.jsonl").write_text(rows)
+    with pytest.raises(UsageError) as refused:
+        corpus.load_corpus(str(tmp_path))
+    assert str(refused.value).startswith(f"cannot read {tmp_path / 'b.jsonl'}: JSON parse error: "), refused.value
+
+
 def test_the_fingerprint_is_the_content_not_the_path(tmp_path):
     lines = [f"document {i}" for i in range(50)]
     (tmp_path / "a.txt").write_text("\n".join(lines) + "\n")

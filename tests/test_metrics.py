@@ -246,7 +246,7 @@ def test_a_wandb_run_file_claiming_steps_metrics_jsonl_never_logged_is_one_line(
     (out / "wandb-run.txt").write_text("abcd1234 999999999\n")
     with pytest.raises(metrics.UsageError, match="says W&B has the steps up to 999,999,999, but metrics.jsonl logged "
                                                  "only up to 8"):
-        metrics.WandbSink(out, tracker_config(tmp_path, "--wandb", "p"), kept=[], logged=8)
+        metrics.WandbSink(out, tracker_config(tmp_path, "--wandb", "p"), logged=8)
 
 
 def test_wandb_that_cannot_start_leaves_no_tensorboard_file_behind(tmp_path, monkeypatch):
@@ -263,6 +263,29 @@ def test_wandb_that_cannot_start_leaves_no_tensorboard_file_behind(tmp_path, mon
     with pytest.raises(metrics.UsageError, match="W&B could not start the run"):
         metrics.MetricsLog(cfg, enabled=True, facts={"documents": 1})
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_tensorboard_that_cannot_write_after_wandb_started_leaves_no_run_file_behind(tmp_path, monkeypatch):
+    """--tensorboard --wandb P where OUT/tensorboard cannot be written: W&B has started its
+    run, but nothing marks OUT as a run's (no wandb-run.txt, no metrics.jsonl), so the corrected
+    command is not refused as a run already begun."""
+    pytest.importorskip("wandb")
+    pytest.importorskip("tensorboard")
+    import errno
+    import torch.utils.tensorboard
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(torch.utils.tensorboard, "SummaryWriter", read_only)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = tracker_config(tmp_path, "--wandb", "p", "--tensorboard")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(metrics.UsageError, match="--tensorboard: cannot write"):
+        metrics.MetricsLog(cfg, enabled=True, facts={"documents": 1})
+    import checkpointing
+    assert not checkpointing.resuming(str(tmp_path / "out"), resume=False)  # the rerun starts: nothing refuses it
+    assert not (tmp_path / "out" / "wandb-run.txt").exists()
 
 
 def test_tensorboard_that_cannot_write_is_one_line(tmp_path, monkeypatch):

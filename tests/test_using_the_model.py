@@ -139,7 +139,8 @@ def test_an_unfinished_run_samples_from_its_newest_checkpoint_and_says_so(traine
     (["{out}", "--top-k", "0"], "--top-k must be at least 1, got 0"),
     (["{out}", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
     (["{out}", "--max-new-tokens", "1024"], "plus --max-new-tokens 1024 exceed the model's 1024 positions"),
-    (["{missing}"], "is not an output folder of train_dp.py/train_ddp.py (no config.json)"),
+    (["{out}", "--prompt", "the " * 1100], "tokens) and one new token exceed the model's 1024 positions"),  # no flag cited
+    (["{missing}"], "is not the output folder of a training run (no config.json)"),
     (["{no_weights}"], "holds no model.pt and no checkpoint: nothing trained yet"),
     (["{out}", "--seed", str(2**63)], "--seed must be within 0 and 2^63 - 1, got 9223372036854775808"),
     (["{out}", "--seed", "-1"], "--seed must be within 0 and 2^63 - 1, got -1"),
