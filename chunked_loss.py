@@ -34,7 +34,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         """h (N, C), weight (V, C), targets (N,): the summed cross-entropy over the targets that
         are not IGNORE_INDEX, the logits computed in dtype and the loss in fp32."""
         w = weight.to(dtype)
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        losses = [h.new_zeros((), dtype=torch.float32)]  # each chunk's sum (no tokens: a loss of 0), added up
+        # at the end: the loss returned is a fresh tensor, never one changed in place
         grad_h = torch.empty_like(h)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)
         for start in range(0, h.shape[0], chunk):
@@ -47,7 +48,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             target = logits.gather(1, y[:, None]).squeeze(1)
             probs = logits.exp_()
             total = probs.sum(dim=-1)
-            loss += (total.log() - target).masked_fill(ignored, 0).sum()   # -log softmax at the target
+            losses.append((total.log() - target).masked_fill(ignored, 0).sum())  # -log softmax at the target
             grad = probs.div_(total[:, None])                              # softmax
             grad[torch.arange(len(y), device=y.device), y] -= 1            # minus the one-hot target
             grad = grad.masked_fill_(ignored[:, None], 0).to(dtype)
@@ -59,7 +60,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             del logits, probs, grad  # freed before the next chunk's logits exist
         ctx.save_for_backward(grad_h, grad_weight)
         ctx.weight_dtype = weight.dtype  # under FSDP, bf16: the gradient of a bf16 weight
-        return loss
+        # A fresh tensor, not a `loss +=` total: torch 2.11's compiler, tracing a Function whose
+        # forward changed the tensor it returns in place, sent backward's incoming gradient to
+        # the wrong output (pytorch/pytorch#180642, fixed in 2.12): every gradient was 0
+        return torch.stack(losses).sum()
 
     @staticmethod
     @once_differentiable  # its gradients are computed in forward: they have no graph to differentiate again
@@ -76,8 +80,8 @@ def chunked_loss(h, weight, targets, chunk: int, dtype: torch.dtype):
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return ChunkedCrossEntropy.apply(h, weight, targets, chunk, dtype)
     w = weight.to(dtype)
-    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    losses = [h.new_zeros((), dtype=torch.float32)]  # (no tokens: a loss of 0)
     for start in range(0, h.shape[0], chunk):
         logits = (h[start:start + chunk].to(dtype) @ w.t()).float()
-        loss += F.cross_entropy(logits, targets[start:start + chunk], ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss
+        losses.append(F.cross_entropy(logits, targets[start:start + chunk], ignore_index=IGNORE_INDEX, reduction="sum"))
+    return torch.stack(losses).sum()

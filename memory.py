@@ -6,8 +6,9 @@ estimate, and the user may know better.
 
 Per process, in bytes:
 - the state: fp32 weights, gradients and AdamW's two moments, 4 + 4 + 8 = 16 bytes a
-  parameter (bf16 runs keep fp32 weights too). FSDP holds 1/world of it on each rank, but
-  builds the whole model on every rank before sharding it: 4 bytes a parameter, for a moment.
+  parameter (bf16 runs keep fp32 weights too). FSDP holds 1/world of it on each rank: it
+  builds the model on the meta device, shards it, and draws each whole weight in turn, each
+  rank keeping its part, so the largest weight, whole, is all it holds beyond its share.
 - the snapshot each save writes from, in CPU memory: weights and moments, 12 bytes a
   parameter (FSDP: of this rank's shards), held while training goes on. Every run saves at
   least once, at its end. On a GPU it is host memory, not the device's.
@@ -22,8 +23,11 @@ Per process, in bytes:
   keeps (4 x intermediate + 10 x hidden) values in the compute dtype and its RMSNorms' fp32
   copies; with activation checkpointing only its fp32 input (hidden values), and backward
   makes one layer's worth again at a time. The final norm keeps its input and output. The
-  chunked LM head keeps the hidden states' gradient (chunked_loss.py); compiled, the plain
-  formulation keeps the logits in the compute dtype and makes their gradient in backward.
+  chunked LM head keeps the hidden states' gradient (chunked_loss.py). Compiled (--compile),
+  inductor fuses each layer's elementwise work and keeps less: (3 x intermediate + 5.5 x
+  hidden) values in the compute dtype and one fp32 value per hidden unit (the residual
+  stream); the plain formulation of the LM head keeps the logits and its input in the
+  compute dtype, and backward writes the logits' gradient over them.
   Packed rows (--pack) add, once, each row's RoPE tables (fp32 cos and sin a token) and on a
   CPU the attention mask (seq_len values a token, in the compute dtype); past one block of
   queries (packed_attention.QUERY_BLOCK), each layer keeps a copy of its attention output.
@@ -54,7 +58,7 @@ class Estimate:
     parameters: int
     state: int  # weights, gradients and AdamW's moments that this process holds while it trains
     snapshot: int  # a save's CPU copy of weights and moments, when that is the device's memory (else 0)
-    build: int  # FSDP: the whole fp32 model, built on every rank before it is sharded (0 otherwise)
+    build: int  # FSDP: the largest weight, whole in fp32, as each rank draws it and keeps its part (0 otherwise)
     optimizer_temporaries: int  # AdamW's unfused step (a CPU): two of the largest weight's size
     copies: int  # weights in the compute dtype: autocast's copies, or FSDP's two gathered groups
     logits: int  # the chunked loss's one chunk of logits, fp32 (and its compute-dtype matmul output)
@@ -80,10 +84,13 @@ def activation_bytes_per_token(config: LlamaConfig, dtype: torch.dtype, checkpoi
                                compiled: bool = False, packed_seq_len: int | None = None, on_gpu: bool = False) -> int:
     """packed_seq_len: the rows' length, for packed rows (--pack); None for one window a row."""
     C, I = config.hidden_size, config.intermediate_size
-    per_layer = (4 * I + 10 * C) * dtype.itemsize + 16 * C
+    if compiled:  # measured on a CPU (tests/test_memory.py); on an H100, the article model kept 1.03x this
+        per_layer = (6 * I + 11 * C) * dtype.itemsize // 2 + 4 * C + 4 * config.num_attention_heads + 8
+    else:
+        per_layer = (4 * I + 10 * C) * dtype.itemsize + 16 * C
     layers = config.num_hidden_layers * 4 * C + per_layer if checkpointing else config.num_hidden_layers * per_layer
     final_norm = 8 * C + 4 + 8  # its fp32 input, output and norm, and the embedding's int64 token ids
-    lm_head = 2 * config.vocab_size * dtype.itemsize if compiled else 4 * C
+    lm_head = (config.vocab_size + C) * dtype.itemsize + 8 if compiled else 4 * C  # compiled: logits, input, target
     packing = 0
     if packed_seq_len:
         packing = 8 * config.head_dim  # each token's fp32 cos and sin (packed_attention: rows have their own)
@@ -134,7 +141,7 @@ def estimate(config: LlamaConfig, micro_batch: int, seq_len: int, dtype: torch.d
     low_precision = dtype.itemsize if dtype != torch.float32 else 0  # a bf16 copy beside the fp32 one
     return Estimate(parameters=parameters, state=BYTES_PER_PARAMETER * parameters // shards,
                     snapshot=0 if on_gpu else (4 + 8) * parameters // shards,
-                    build=4 * parameters if shards > 1 else 0,
+                    build=4 * n.largest if shards > 1 else 0,
                     optimizer_temporaries=0 if on_gpu else 2 * 4 * -(-n.largest // shards), copies=copies,
                     logits=0 if compiled else chunk * config.vocab_size * (4 + low_precision),
                     head_gradient=0 if compiled else n.lm_head * (4 + (low_precision if shards > 1 else 0)),
@@ -218,8 +225,10 @@ class Check:
                 f"the model cannot fit: its {need.parameters:,} parameters need about {size(need.fixed)} per process "
                 f"for {held}, and this process has {size(total)} of {where}; choose a "
                 "smaller --model or vocabulary, or shard it over more ranks with train_fsdp.py")
-        if self.device.type == "cuda":  # the host holds the fp32 model before it moves, and each save's copy
-            host_need, host_total = max(4 * need.parameters, 12 * need.parameters // self.shards), \
+        if self.device.type == "cuda":  # the host holds each save's copy, and the fp32 model before it moves
+            # (FSDP: one whole weight at a time, drawn there before each rank keeps its part)
+            built_on_host = need.build if self.shards > 1 else 4 * need.parameters
+            host_need, host_total = max(built_on_host, 12 * need.parameters // self.shards), \
                 device_memory(torch.device("cpu"))[0]
             if host_need > host_total:
                 raise UsageError(f"the model cannot fit: its {need.parameters:,} parameters need about "

@@ -406,7 +406,7 @@ def stop_if_diverged(step: int, cfg: TrainConfig, loss: float | None = None, gra
                      model: torch.nn.Module | None = None):
     """Raise if the logged loss or gradient norm, or any weight about to be saved, is not
     finite: nothing non-finite reaches metrics.jsonl or a checkpoint, and the older
-    checkpoints stay good."""
+    checkpoints stay good. And if the gradient norm is exactly 0: AdamW would do nothing."""
     weights_bad = model is not None and not weights_finite(model)
     logged = {"loss": loss, "gradient norm": grad_norm}
     bad = [f"{name} is {value}" for name, value in logged.items() if value is not None and not math.isfinite(value)]
@@ -414,6 +414,10 @@ def stop_if_diverged(step: int, cfg: TrainConfig, loss: float | None = None, gra
         what = "weights are not finite" if weights_bad else bad[0]
         raise UsageError(f"training diverged: the {what} at step {step}. Start again with a lower --lr "
                          f"(was {cfg.lr}) or a longer --warmup-steps (was {cfg.warmup_steps})")
+    if grad_norm == 0.0:  # no real target has a gradient of exactly 0: the gradients never reached the weights
+        raise UsageError(f"every gradient is exactly 0 at step {step}: the model does not train. A compiler bug "
+                         f"does this (torch 2.11 with --compile, pytorch/pytorch#180642): run without --compile, "
+                         f"or with another torch (this is {torch.__version__})")
 
 
 def load_run(out_dir: str, sharded: bool = False) -> dict:

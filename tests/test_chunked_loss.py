@@ -114,6 +114,39 @@ def allocated_peak(fn) -> int:
     return max(e["Total Allocated"] for e in events) - before
 
 
+def head_loss_and_gradients(loss_fn, order):
+    """The LM head alone, on 500 tokens (5 chunks), some targets ignored; rows taken in `order`.
+    Backward gets the mean's gradient, not 1, so that a misrouted incoming gradient shows."""
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(500, C, generator=g)[order].requires_grad_()
+    weight = (0.02 * torch.randn(V, C, generator=g)).requires_grad_()
+    targets = torch.randint(0, V, (500,), generator=g)
+    targets[::7] = IGNORE_INDEX
+    loss = loss_fn(h, weight, targets[order])
+    (loss / (targets != IGNORE_INDEX).sum()).backward()
+    return loss.item(), {"h": h.grad[order.argsort()], "weight": weight.grad}
+
+
+def test_compiled_the_chunked_loss_gives_the_loss_and_gradients_of_eager():
+    """Traced by the compiler (aot_eager with fullgraph: what inductor receives, without
+    generating code), the Function gives eager's loss and gradients. torch 2.11 sent the
+    incoming gradient of a Function that changed its returned tensor in place to the wrong
+    output, and every gradient was exactly 0 (pytorch/pytorch#180642); on this torch, tracing
+    `loss += ...` the same way gives 0 gradients too (the mutant this test fails on)."""
+    from chunked_loss import ChunkedCrossEntropy
+
+    def loss_fn(h, weight, targets):
+        return ChunkedCrossEntropy.apply(h, weight, targets, 100, torch.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, backend="aot_eager", fullgraph=True)
+    in_order, reversed_rows = torch.arange(500), torch.arange(500).flip(0)
+    eager = head_loss_and_gradients(loss_fn, in_order)
+    floor = distance(head_loss_and_gradients(loss_fn, reversed_rows), eager)  # the same tokens, another order
+    traced = head_loss_and_gradients(compiled, in_order)
+    assert all(grad.abs().max() > 0 for grad in traced[1].values())
+    assert_within("compiled vs eager", distance(traced, eager), floor, FLOOR_MULTIPLE)
+
+
 def test_only_one_chunk_of_logits_is_ever_alive_in_forward_or_backward():
     """Forward and backward of the decoder alone (a loss of its outputs' sum) against the same
     with the chunked loss: the difference is one chunk of fp32 logits, the head's gradient

@@ -518,6 +518,22 @@ def test_a_checkpoint_whose_weights_turned_non_finite_is_called_damaged_not_dive
                                        "is damaged; move it away to resume from the one before it\n")
 
 
+def test_a_run_whose_gradients_are_all_exactly_zero_stops_with_one_line(runs, tmp_path, capsys, monkeypatch):
+    """What torch 2.11's compiler did to the chunked loss (pytorch/pytorch#180642): backward's
+    incoming gradient became 0, so every gradient was 0 and the run trained on, learning
+    nothing. Simulated here: the first log step stops it, in one line that names the cause."""
+    import chunked_loss
+    backward = chunked_loss.ChunkedCrossEntropy.backward
+    monkeypatch.setattr(chunked_loss.ChunkedCrossEntropy, "backward",
+                        staticmethod(lambda ctx, grad_loss: backward(ctx, grad_loss * 0)))
+    out = tmp_path / "run"
+    assert script_in_process("train_dp.py", train_args(runs, out)) == 2
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert line.startswith("error: every gradient is exactly 0 at step 2: the model does not train. A compiler bug "
+                           "does this (torch 2.11 with --compile")
+    assert not (out / "model.pt").exists()
+
+
 @pytest.mark.parametrize("script, nproc", [("train_dp.py", 0), ("train_ddp.py", 2)])
 def test_a_diverging_run_stops_with_one_line_and_saves_nothing_non_finite(runs, tmp_path, script, nproc, capsys):
     """--lr 100 blows up within a few steps. The run stops at the first non-finite loss or

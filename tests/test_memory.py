@@ -86,12 +86,31 @@ def test_the_state_estimate_is_what_weights_gradients_adamw_and_a_save_hold_afte
     assert need.snapshot == sum(t.numel() * t.element_size() for t in tensors)
 
 
-def test_fsdp_holds_a_share_of_the_state_but_builds_the_whole_model_first():
+def test_fsdp_holds_a_share_of_the_state_and_one_whole_weight_as_it_draws_them():
+    """train_fsdp.py builds on the meta device and draws each whole weight in turn, every rank
+    keeping its part (tests/fsdp_initial_weights.py): beyond its share, a rank holds the
+    largest weight, whole, for a moment; never the whole model."""
     config = LlamaConfig(vocab_size=300, **PRESETS["tiny"])
     one, eight = (memory.estimate(config, 8, 32, torch.float32, shards=n) for n in (1, 8))
     assert (eight.state, eight.snapshot) == (one.state // 8, one.snapshot // 8)
     assert eight.activations == one.activations  # the micro-batch's, whatever holds the weights
-    assert one.build == 0 and eight.fixed == eight.build == 4 * one.parameters  # more than its 28 / 8 a parameter
+    largest = max(p.numel() for p in LlamaForPretraining(config).parameters())
+    assert one.build == 0 and eight.build == 4 * largest
+    assert eight.fixed == eight.state + eight.snapshot  # 28 / 8 bytes a parameter: the share, not the model
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_fsdp_run_whose_shares_fit_is_not_refused_for_a_whole_model_it_never_builds(monkeypatch, device):
+    """Memory for a share of 8 (28 / 8 bytes a parameter; on a GPU, the host's 12 / 8 for each
+    save's copy) but not for the whole fp32 model (4 bytes a parameter): FSDP trains; DDP,
+    which holds every weight, is refused."""
+    cfg = training.parse_args(["--model", "tiny", "--seq-len", "32"])
+    parameters = memory.estimate(LlamaConfig(vocab_size=300, **PRESETS["tiny"]), 8, 32, torch.float32).parameters
+    room = 15 * parameters // 4  # bytes: under the 4 the whole model would take, over the shares' 3.5
+    monkeypatch.setattr(memory, "device_memory", lambda d: (room, room) if d.type == "cpu" else (10**15, 10**15))
+    memory.Check(cfg, 8, torch.float32, torch.device(device), shards=8)(300)
+    with pytest.raises(UsageError, match="the model cannot fit"):
+        memory.Check(cfg, 8, torch.float32, torch.device(device), shards=1)(300)
 
 
 def test_this_machine_has_memory_and_each_rank_here_gets_its_share(monkeypatch):
@@ -118,6 +137,30 @@ def device_with(monkeypatch):
                 raise UsageError("the corpus would be tokenized now")
             monkeypatch.setattr(training, "make_datasets", not_yet)
     return set_memory
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_the_activation_estimate_bounds_what_the_compiled_step_saves_per_token(dtype):
+    """--compile as the scripts do it (each layer and the LM head apart): inductor fuses each
+    layer's elementwise work and keeps less than eager autograd; the LM head's plain
+    formulation keeps the logits. The estimate for compiled runs is at least what the
+    compiled graphs save a token (their saved tensors pass the same hooks), at most 1.5x."""
+    config = LlamaConfig(vocab_size=16384, **PRESETS["tiny"])
+    torch.manual_seed(0)
+    model = LlamaForPretraining(config)
+    model.compute_dtype = dtype
+    for block in [*model.base_model.layers, model.lm_head]:
+        block.compile()
+    T, saved = 64, {}
+    for B in (2, 4):
+        x = torch.randint(0, config.vocab_size, (B, T))
+        saved_for_backward(model, x, x)  # compiles, for this shape
+        saved[B] = saved_for_backward(model, x, x)
+    per_token = (saved[4] - saved[2]) / (2 * T)
+    estimated = memory.activation_bytes_per_token(config, dtype, compiled=True)
+    print(f"compiled {dtype}: {per_token:,.0f} bytes a token saved, {estimated:,} estimated")
+    assert per_token <= estimated <= 1.5 * per_token, (per_token, estimated)
 
 
 @pytest.mark.parametrize("script", ["train_dp.py", "train_ddp.py", "train_fsdp.py"])
