@@ -286,24 +286,34 @@ def memory_table(world_sizes=(1, 2, 4, 8)):
 # ---- table 2: the ablation ----------------------------------------------------------------
 
 def ablation_table(args, device, dtype, batches):
+    """The tutorial's step, then each change alone, then ours. The tutorial's fp32 matmuls are
+    full fp32 (torch's default); ours on a GPU run fp32 matmuls on TF32 (training.compute_dtype
+    set that before this table), which is one of the changes, measured alone."""
     fp32, bf16 = torch.float32, torch.bfloat16
-    variants = [  # (name, float mask, loss inside forward, dtype, compile)
-        ("tutorial: float mask, fp32, loss outside", True, False, fp32, False),
-        ("+ is_causal instead of the mask", False, False, fp32, False),
-        ("+ loss inside forward", True, True, fp32, False),
-        ("+ bf16 autocast", True, False, bf16, False),
+    ours = torch.get_float32_matmul_precision()  # "high" (TF32) on a GPU, as the trainers set it
+    variants = [  # (name, float mask, loss inside forward, dtype, compile, fp32 matmul precision)
+        ("tutorial: float mask, fp32, loss outside", True, False, fp32, False, "highest"),
+        ("+ is_causal instead of the mask", False, False, fp32, False, "highest"),
+        ("+ loss inside forward", True, True, fp32, False, "highest"),
+        ("+ bf16 autocast", True, False, bf16, False, "highest"),
     ]
+    if ours != "highest":
+        variants.append(("+ TF32 for fp32 matmuls", True, False, fp32, False, ours))
     if args.compile:
-        variants.append(("+ torch.compile", True, False, fp32, True))
-    variants.append((f"ours, train_dp.py's default (--dtype auto = {str(dtype)[6:]})", False, True, dtype, False))
+        variants.append(("+ torch.compile", True, False, fp32, True, "highest"))
+    variants.append((f"ours, train_dp.py's default (--dtype auto = {str(dtype)[6:]})", False, True, dtype, False, ours))
     if dtype != bf16:
-        variants.append(("ours, --dtype bf16", False, True, bf16, False))
+        variants.append(("ours, --dtype bf16", False, True, bf16, False, ours))
     if args.compile:
-        variants.append(("ours, --dtype bf16 --compile", False, True, bf16, True))
+        variants.append(("ours, --dtype bf16 --compile", False, True, bf16, True, ours))
     rows = []
-    for name, mask, loss_inside, variant_dtype, compile_model in variants:
-        model = build(args, device, variant_dtype, compile_model)
-        rows.append((name, time_steps(args, model, batches, device, mask, loss_inside)))
+    try:
+        for name, mask, loss_inside, variant_dtype, compile_model, precision in variants:
+            torch.set_float32_matmul_precision(precision)
+            model = build(args, device, variant_dtype, compile_model)
+            rows.append((name, time_steps(args, model, batches, device, mask, loss_inside)))
+    finally:
+        torch.set_float32_matmul_precision(ours)
     return rows
 
 

@@ -176,8 +176,10 @@ def run_state(model, scheduler, cfg, step, train_ds) -> dict:
         "corpus": train_ds.corpus,  # what data the run trains on (corpus.fingerprint): a resume must match it
         # Nothing in training draws random numbers after initialization (the data order comes
         # from seed + epoch), but saving the generators keeps any future dropout exact too.
+        # The CUDA generator only where the model is on a GPU: reading it opens a CUDA context
+        # (0.3-0.5 GiB of GPU 0), which a run with --device cpu on a GPU machine must not.
         "rng": {"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+                "cuda": torch.cuda.get_rng_state() if next(model.parameters()).device.type == "cuda" else None},
         "model_config": dataclasses.asdict(model.config),
         "train_config": dataclasses.asdict(cfg),
     }
@@ -201,7 +203,7 @@ def restore_run_state(ckpt: dict, scheduler) -> int:
     """What run_state saved, back in place; returns the step."""
     scheduler.load_state_dict(ckpt["scheduler"])
     torch.set_rng_state(ckpt["rng"]["torch"])
-    if ckpt["rng"]["cuda"] is not None and torch.cuda.is_available():
+    if ckpt["rng"]["cuda"] is not None and torch.cuda.is_initialized():  # a run on a GPU (see run_state)
         torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
     return ckpt["step"]
 

@@ -23,10 +23,20 @@ from errors import UsageError, first_line
 from launcher import usable_cores, warn
 from model import LlamaForPretraining
 
-# Dense bf16 tensor-core peaks in TFLOP/s, for MFU; the first name found as a whole word in
-# torch.cuda.get_device_name() wins. Add yours: the figure is on the GPU's data sheet.
-GPU_BF16_PEAK_TFLOPS = [("H200", 989), ("H100 PCIe", 756), ("H100", 989), ("A100", 312),
-                        ("L40S", 362), ("L40", 181), ("L4", 121)]
+# Dense bf16 tensor-core peaks in TFLOP/s (with fp32 accumulation, without 2:4 sparsity, whose
+# figure data sheets print first at twice this), for MFU. The first key found as whole words in
+# torch.cuda.get_device_name() wins, so a variant comes before its family: "NVIDIA H100 NVL"
+# and "NVIDIA H100 PCIe" before "NVIDIA H100 80GB HBM3" (the SXM part). A GPU not here gets no
+# MFU, and one line says so: add yours from its data sheet.
+GPU_BF16_PEAK_TFLOPS = [
+    ("H100 NVL", 835), ("H100 PCIe", 756), ("H100", 989),      # Hopper
+    ("H200 NVL", 835), ("H200", 989), ("GH200", 989),
+    ("H800 PCIe", 756), ("H800", 989),
+    ("GB200", 2500), ("B200", 2250),                            # Blackwell
+    ("A100", 312), ("A800", 312), ("A40", 149.7), ("A30", 165),  # Ampere
+    ("L40S", 362), ("L40", 181), ("L4", 121),                   # Ada
+    ("RTX 5090", 209.5), ("RTX 4090", 165.2), ("RTX 3090", 71),  # GeForce
+]
 
 
 def peak_tflops(device: torch.device, dtype: torch.dtype, n_devices: int = 1):
@@ -35,9 +45,13 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, n_devices: int = 1):
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
     name = torch.cuda.get_device_name(device)
-    # whole words: "NVIDIA L40S" is not an L4, "NVIDIA A100-SXM4-80GB" is an A100
+    # whole words: "NVIDIA L40S" is not an L4, "NVIDIA GH200 480GB" not an H200, "NVIDIA A100-SXM4-80GB" an A100
     peak = next((peak for key, peak in GPU_BF16_PEAK_TFLOPS if re.search(rf"\b{key}\b", name)), None)
-    return peak * n_devices if peak else None
+    if peak is None:
+        warn(f"no MFU: the bf16 peak of {name} is not known here; add it to metrics.GPU_BF16_PEAK_TFLOPS "
+             "from its data sheet (dense, without sparsity)")
+        return None
+    return peak * n_devices
 
 
 def devices_in_use(model: torch.nn.Module) -> int:
@@ -88,7 +102,14 @@ class Speedometer:
         self.steps += 1
 
     @contextlib.contextmanager
-    def paused(self):
+    def paused(self, pausing: bool = True):
+        """Leaves the time inside out, when pausing (a step that saves or evaluates). A GPU first
+        finishes the steps the host has queued: their time is training's, not the pause's."""
+        if not pausing:  # (no sync: the host goes on queueing steps)
+            yield
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         pause = time.perf_counter()
         try:
             yield

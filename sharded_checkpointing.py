@@ -13,6 +13,7 @@ so a folder with the final name is always complete. DCP reshards on load: a chec
 saved by N ranks resumes on any number of ranks.
 """
 
+import datetime
 import io
 import os
 import pickle
@@ -151,14 +152,19 @@ def load_latest_checkpoint(out_dir) -> dict:
 class ShardedCheckpointWriter(CheckpointWriter):
     """Saves sharded checkpoints without stalling training for the disk. save() is a
     collective: every rank copies its shards to CPU memory (the only part training waits
-    for) and writes them from a background thread, coordinated over `group` (gloo), not over
-    the group training uses. When all ranks have written, rank 0 adds the train state and
-    renames the folder into place. One save at a time: the next one, and the end of the
-    run, wait for the previous one (wait() is CheckpointWriter's)."""
+    for) and writes them from a background thread, coordinated over a gloo group of the
+    writer's own, not over the group training uses. When all ranks have written, rank 0 adds
+    the train state and renames the folder into place. One save at a time: the next one, and
+    the end of the run, wait for the previous one (wait() is CheckpointWriter's). Creating
+    it is a collective too (the group)."""
 
-    def __init__(self, out_dir: str, keep: int, group):
+    def __init__(self, out_dir: str, keep: int, timeout_minutes: float):
         super().__init__(out_dir, keep)
-        self.out, self.group = Path(out_dir), group
+        self.out = Path(out_dir)
+        # Its own group: the main thread's collectives go on meanwhile, on the training group.
+        # A save's waits are bounded like a training collective's: a rank that dies mid-save
+        # ends the others' wait within --timeout-minutes.
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
 
     def checkpoint_at(self, step: int) -> Path:
         return self.out / f"checkpoint-{step:08d}"

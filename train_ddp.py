@@ -137,15 +137,16 @@ def main():
             log.write(row)  # to metrics.jsonl, and TensorBoard and W&B if asked for
             pbar.set_postfix(metrics.progress(row))
             train_totals.zero_()
-        with speedometer.paused():  # saving and evaluation do not count as training time
-            saving = step % cfg.save_every == 0 or step == last_step or preempted
+        saving = step % cfg.save_every == 0 or step == last_step or preempted
+        evaluating = (step % cfg.eval_every == 0 or step == last_step) and not preempted
+        with speedometer.paused(saving or evaluating):  # saving and evaluation do not count as training time
             if saving:
                 training.stop_if_diverged(step, cfg, model=raw_model)  # real jobs: on every rank, before saving
             if saving and is_main:
                 # One writer, and no collective or DDP call inside this branch. The write runs in
                 # a background thread, so the other ranks never wait in a collective for the disk.
                 writer.save(checkpointing.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, train_ds))
-            if (step % cfg.eval_every == 0 or step == last_step) and not preempted:
+            if evaluating:
                 totals = training.evaluate(raw_model, val_loader, device)  # the plain module: no wrapper
                 dist.all_reduce(totals)  # [loss sum, targets] over every rank's shard
                 val_loss = (totals[0] / totals[1]).item()

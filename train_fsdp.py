@@ -99,7 +99,7 @@ def main():
     loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
                         pin_memory=device.type == "cuda")
     val_loader = training.val_loader(val_ds, rank, world_size, micro_batch, same_length=True)  # FSDP: see there
-    writer = sharded_checkpointing.ShardedCheckpointWriter(cfg.out_dir, cfg.keep_checkpoints, prep)  # FSDP: all ranks
+    writer = sharded_checkpointing.ShardedCheckpointWriter(cfg.out_dir, cfg.keep_checkpoints, cfg.timeout_minutes)
     stop = launcher.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
     if is_main:
         print(metrics.describe(raw_model, train_ds, steps_per_epoch, total_steps, micro_batch, cfg, device, dtype))
@@ -156,14 +156,15 @@ def main():
             log.write(row)  # to metrics.jsonl, and TensorBoard and W&B if asked for
             pbar.set_postfix(metrics.progress(row))
             train_totals.zero_()
-        with speedometer.paused():  # saving and evaluation do not count as training time
-            saving = step % cfg.save_every == 0 or step == last_step or preempted
+        saving = step % cfg.save_every == 0 or step == last_step or preempted
+        evaluating = (step % cfg.eval_every == 0 or step == last_step) and not preempted
+        with speedometer.paused(saving or evaluating):  # saving and evaluation do not count as training time
             if saving:
                 training.stop_if_diverged(step, cfg, model=raw_model)  # real jobs: on every rank, before saving
                 # FSDP: the check above all-reduces (the weights are shards), and every rank writes its
                 # own shards, from a background thread after a copy in memory; no rank gathers the whole state
                 writer.save(raw_model, optimizer, checkpointing.run_state(raw_model, scheduler, cfg, step, train_ds))
-            if (step % cfg.eval_every == 0 or step == last_step) and not preempted:
+            if evaluating:
                 totals = training.evaluate(raw_model, val_loader, device)  # the plain module: no wrapper
                 dist.all_reduce(totals)  # [loss sum, targets] over every rank's shard
                 val_loss = (totals[0] / totals[1]).item()

@@ -1,8 +1,9 @@
 """train_fsdp.py: FSDP2 trains the model DDP trains, at every world size; its sharded
 checkpoints resume exactly, on another world size too, and survive what DDP's survive."""
 
-import pickle
+import datetime
 import json
+import pickle
 import re
 import shutil
 
@@ -360,6 +361,16 @@ def world_of_one():
         dist.destroy_process_group()
 
 
+def test_a_sharded_save_waits_for_the_other_ranks_no_longer_than_a_training_collective(world_of_one, tmp_path):
+    """The writer's collectives run on a gloo group of its own, bounded by --timeout-minutes
+    (not by --data-timeout-minutes, a day, which bounds data preparation): a rank that dies
+    mid-save must not hold the others' exit for a day."""
+    import sharded_checkpointing
+    writer = sharded_checkpointing.ShardedCheckpointWriter(str(tmp_path), keep=2, timeout_minutes=7)
+    assert writer.group._get_backend(torch.device("cpu")).options._timeout == datetime.timedelta(minutes=7)
+    assert writer.group != world_of_one  # nor the group of anything else
+
+
 def test_a_sharded_save_builds_no_cuda_loader_in_dcps_writer_thread(world_of_one, tmp_path, monkeypatch):
     """With CUDA available, DCP's writer by default copies tensors ahead from a GPU on the
     current stream of its own thread, which is GPU 0's whatever the rank's GPU: every rank
@@ -389,7 +400,7 @@ def test_a_sharded_save_builds_no_cuda_loader_in_dcps_writer_thread(world_of_one
     ids = torch.randint(0, 97, (1, 8))
     model(ids, ids)[0].sum().backward()
     optimizer.step()
-    writer = sharded_checkpointing.ShardedCheckpointWriter(str(tmp_path), keep=2, group=world_of_one)
+    writer = sharded_checkpointing.ShardedCheckpointWriter(str(tmp_path), keep=2, timeout_minutes=1)
     monkeypatch.setattr(filesystem._OverlappingCpuLoader, "__init__", spy)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     writer.save(model, optimizer, {"step": 1})

@@ -66,14 +66,77 @@ def test_auto_picks_bf16_only_on_gpus_that_compute_it_natively(monkeypatch, gpu,
             training.compute_dtype("bf16", device)
 
 
+# The names torch.cuda.get_device_name() reports, and each one's dense bf16 peak (TFLOP/s)
 @pytest.mark.parametrize("gpu, peak", [
-    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H200", 989),
-    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA L40S", 362), ("NVIDIA L40", 181), ("NVIDIA L4", 121),
-    ("Tesla V100-SXM2-32GB", None), ("NVIDIA RTX A1000 6GB Laptop GPU", None),  # not an A100
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
+    ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 835), ("NVIDIA GH200 480GB", 989), ("NVIDIA GH200 144G HBM3e", 989),
+    ("NVIDIA H800", 989), ("NVIDIA H800 PCIe", 756), ("NVIDIA B200", 2250), ("NVIDIA GB200", 2500),
+    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100-SXM4-40GB", 312), ("NVIDIA A100 80GB PCIe", 312),
+    ("NVIDIA A100-PCIE-40GB", 312), ("NVIDIA A800-SXM4-80GB", 312), ("NVIDIA A800 80GB PCIe", 312),
+    ("NVIDIA A40", 149.7), ("NVIDIA A30", 165), ("NVIDIA L40S", 362), ("NVIDIA L40", 181), ("NVIDIA L4", 121),
+    ("NVIDIA GeForce RTX 4090", 165.2), ("NVIDIA GeForce RTX 3090", 71), ("NVIDIA GeForce RTX 5090", 209.5),
+    # not known here: no MFU, never another GPU's peak
+    ("NVIDIA A10G", None), ("Tesla V100-SXM2-32GB", None), ("NVIDIA RTX A1000 6GB Laptop GPU", None),
 ])
-def test_mfu_uses_the_bf16_peak_of_the_gpu_by_its_whole_name(monkeypatch, gpu, peak):
+def test_mfu_uses_the_bf16_peak_of_the_gpu_by_its_whole_name(monkeypatch, capsys, gpu, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
     assert peak_tflops(torch.device("cuda", 0), torch.bfloat16) == peak
+    said = capsys.readouterr().err
+    assert said == ("" if peak else f"warning: no MFU: the bf16 peak of {gpu} is not known here; add it to "
+                                   "metrics.GPU_BF16_PEAK_TFLOPS from its data sheet (dense, without sparsity)\n")
+
+
+def test_a_pause_for_a_save_or_an_evaluation_starts_once_the_gpu_has_run_the_steps_queued_before_it(monkeypatch):
+    """The host queues steps ahead of a GPU. A save or an evaluation on a step that logs
+    nothing must first wait for those steps, or their time is counted as the pause's and the
+    logged throughput is overstated. A step that neither saves nor evaluates waits for nothing.
+    A clock of our own: the GPU's queued steps take 5 s, the evaluation 100 s, later steps 1.5 s."""
+    import metrics
+    clock, syncs = [0.0], []
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+
+    def synchronize(device=None):
+        syncs.append(device)
+        clock[0] += 5.0  # the queued steps run to their end
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(metrics, "cuda_memory", lambda device: {})
+    cfg = training.parse_args(["--batch-size", "8", "--seq-len", "32"])
+    gpu = torch.device("cuda", 0)
+    speedometer = metrics.Speedometer(cfg, flops_per_token=10**6, peak=None, device=gpu)
+    speedometer.step()  # queued, at no cost to the host
+    with speedometer.paused(True):
+        clock[0] += 100.0  # evaluating
+    for _ in range(3):
+        speedometer.step()
+        with speedometer.paused(False):
+            clock[0] += 0.5
+    row = speedometer.row(step=4, epoch=0, loss=1.0, lr=1e-3, grad_norm=1.0, nonpad_tokens=1000)
+    assert syncs == [gpu]  # once, for the pause
+    assert row["tokens_per_s"] == 4 * 8 * 32 / (5.0 + 1.5)
+
+
+def test_the_tutorials_fp32_rows_of_the_benchmark_run_in_full_fp32_and_ours_as_the_trainers_set_it(monkeypatch):
+    """On a GPU, training.compute_dtype sets fp32 matmuls to TF32 ("high") before bench.py's
+    tables: the tutorial's rows must not inherit it (torch's default is full fp32), or "Nx the
+    tutorial" compares against a faster tutorial than the one published. TF32 is then a row
+    of its own."""
+    import bench
+    monkeypatch.setattr(bench, "build", lambda args, device, dtype, compile_model: None)
+    monkeypatch.setattr(bench, "time_steps", lambda args, model, batches, device, mask, loss_inside:
+                        {"precision": torch.get_float32_matmul_precision()})
+    args = bench.parse_args(["--compile"])
+    torch.set_float32_matmul_precision("high")  # what compute_dtype("auto") does on a GPU
+    try:
+        rows = dict(bench.ablation_table(args, torch.device("cpu"), torch.bfloat16, batches=None))
+        seen = {name: row["precision"] for name, row in rows.items()}
+        after = torch.get_float32_matmul_precision()
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert {name: p for name, p in seen.items() if not name.startswith("ours")} == {
+        "tutorial: float mask, fp32, loss outside": "highest", "+ is_causal instead of the mask": "highest",
+        "+ loss inside forward": "highest", "+ bf16 autocast": "highest", "+ TF32 for fp32 matmuls": "high",
+        "+ torch.compile": "highest"}
+    assert {p for name, p in seen.items() if name.startswith("ours")} == {"high"} and after == "high"
 
 
 def test_mfu_divides_by_the_peak_of_every_gpu_at_work(monkeypatch):

@@ -13,8 +13,8 @@ import corpus
 import data
 import training
 from conftest import (FAST, FAST_WITH_TOKENIZER, FLOOR_MULTIPLE, assert_same_model, assert_same_weights, ddp_two_ranks,
-                      load_weights, max_weight_diff, metrics, run_in_process, run_script, spied, stopped_at_step_4,
-                      train)
+                      load_weights, max_weight_diff, metrics, run_in_process, run_script, script_in_process, spied,
+                      stopped_at_step_4, train)
 from model import IGNORE_INDEX, LlamaForPretraining
 
 # DDP at 2 ranks adds gradients up in another order than one process does, so weights agree
@@ -112,6 +112,23 @@ def test_output_folder_holds_what_the_readme_promises(runs):
     assert train_rows[-1]["loss"] < train_rows[0]["loss"]  # it learns
     assert not [r for r in rows if "mfu" in r]  # no MFU against a peak a CPU does not have
     assert data.load_tokenizer(out / "tokenizer.json").get_vocab_size() == 300
+
+
+@pytest.mark.parametrize("script", ["train_dp.py", "train_fsdp.py"])
+def test_with_device_cpu_on_a_gpu_machine_no_cuda_context_is_opened(runs, tmp_path, monkeypatch, capsys, script):
+    """--device cpu where torch sees GPUs: a run, a save and a resume never open a CUDA context
+    (0.3-0.5 GiB of GPU 0 in every rank). Faked here: torch says it has a GPU, and anything that
+    would open a context fails the run."""
+    def no_context():
+        raise AssertionError("a CUDA context was opened")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", no_context)
+    out = tmp_path / "run"
+    args = ["--dataset", str(runs.corpus), *FAST, "--device", "cpu", "--out-dir", str(out)]
+    assert script_in_process(script, [*args, "--stop-at-step", "4"]) == 0, capsys.readouterr().err
+    assert script_in_process(script, [*args, "--resume"]) == 0, capsys.readouterr().err
+    assert (out / "model.pt").exists()
 
 
 def test_resume_is_bitwise_exact_with_the_same_data_under_another_path(runs, tmp_path, monkeypatch):
