@@ -62,8 +62,9 @@ def main():
 
     # ---- model and optimizer ----
     raw_model = training.build_model(cfg, tokenizer.get_vocab_size(), dtype).to(device)
-    if cfg.compile:
-        raw_model.compile()  # in place: the state_dict keeps its keys (no `_orig_mod.` prefix)
+    if cfg.compile:  # DDP: each layer and the LM head (with its loss) apart: see docs/ddp.md
+        for block in [*raw_model.base_model.layers, raw_model.lm_head]:
+            block.compile()  # in place: the state_dict keeps its keys (no `_orig_mod.` prefix)
     optimizer, scheduler = training.make_optimizer(raw_model, cfg, total_steps)
     step = training.resume(ckpt, cfg, raw_model, optimizer, scheduler, steps_per_epoch)  # 0 for a new run
     log = metrics.MetricsLog(cfg, enabled=is_main, resume_step=step, facts=train_ds.facts)  # and the trackers

@@ -80,7 +80,7 @@ def main():
     # alone; each whole weight is drawn as one process draws it, and each rank keeps its shard.
     # float32, not dtype: under FSDP, MixedPrecisionPolicy (in shard) sets the compute dtype, not autocast
     raw_model = training.build_model(cfg, tokenizer.get_vocab_size(), torch.float32, device="meta")
-    if cfg.compile:  # FSDP: each layer and the LM head (with its loss) apart, before they are sharded
+    if cfg.compile:  # DDP: each layer and the LM head (with its loss) apart: see docs/ddp.md (FSDP: before sharding)
         for block in [*raw_model.base_model.layers, raw_model.lm_head]:
             block.compile()  # in place: the state_dict keeps its keys (no `_orig_mod.` prefix)
     shard(raw_model, mesh, dtype)  # in place

@@ -131,6 +131,36 @@ def test_with_device_cpu_on_a_gpu_machine_no_cuda_context_is_opened(runs, tmp_pa
     assert (out / "model.pt").exists()
 
 
+def test_ddp_compiles_each_layer_and_the_lm_head_apart_so_no_graph_spans_a_bucket_of_layers(runs, tmp_path,
+                                                                                              monkeypatch):
+    """train_ddp.py --compile: dynamo's DDP optimizer cuts a compiled graph at each gradient
+    bucket, so that each bucket's all-reduce can start during backward; a whole-model graph
+    became 14 graphs for the `article` model, each compiled apart. Compiled by layer, as
+    train_fsdp.py does, one layer's graph serves every layer and no graph holds more than one
+    layer's work. Counted with a backend of our own that compiles nothing."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(sum(node.op == "call_function" for node in gm.graph.nodes))
+        return gm.forward
+    real_compile = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: real_compile(self, backend=counting))
+    torch._dynamo.reset()
+    model = training.build_model(training.parse_args(["--vocab-size", "300"]), 300, torch.float32)
+    real_compile(model.base_model.layers[0], backend=counting)  # one layer alone, without DDP
+    ids = torch.randint(0, 300, (1, 8))
+    model(ids, ids)
+    [layer] = graphs
+    graphs.clear()
+    torch._dynamo.reset()
+    out = tmp_path / "run"
+    assert script_in_process("train_ddp.py", ["--dataset", str(runs.corpus), *FAST, "--compile", "--max-steps", "2",
+                                              "--out-dir", str(out)]) == 0
+    print(f"one layer: {layer} operations; under DDP: graphs of {graphs}")
+    assert graphs and max(graphs) <= layer  # (training's and evaluation's: a layer, maybe cut at a bucket; the head)
+    torch._dynamo.reset()
+
+
 def test_resume_is_bitwise_exact_with_the_same_data_under_another_path(runs, tmp_path, monkeypatch):
     """The data is recognized by its content (moved, renamed, given by a relative path)."""
     import shutil
