@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 import launcher
 from launcher import usable_cores
-from errors import ArgumentParser, UsageError, first_line
+from errors import ArgumentParser, RankError, UsageError, first_line
 
 # what decides where the ranks meet and over which network: printed when a wait fails
 NETWORK_ENV = ["MASTER_ADDR", "MASTER_PORT", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE",
@@ -133,6 +133,7 @@ def end(message: str, store=None):
         first = True  # no store to agree through: better twice than never
     if first:
         print(f"error: {message}", file=sys.stderr, flush=True)
+        launcher.tell_torchrun(f"error: {message}")  # torchrun's report shows it, not a link to its docs
     sys.stdout.flush()
     os._exit(2)
 
@@ -199,8 +200,9 @@ def main():
     parser.add_argument("--timeout-seconds", type=float, default=60.0, help="the longest any one step may wait")
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda where torch sees GPUs")
     args = parser.parse_args()
-    if not 0 < args.timeout_seconds <= 86400:  # inf and nan too: no deadline is no check
-        raise UsageError(f"--timeout-seconds must be positive and at most a day (86400), got {args.timeout_seconds:g}")
+    if not 1 <= args.timeout_seconds <= 86400:  # inf and nan too: no deadline is no check
+        raise UsageError(f"--timeout-seconds must be at least 1 and at most a day (86400), got {args.timeout_seconds:g}")
+    launcher.check_launch_environment(one_process=False)  # RANK, WORLD_SIZE...: whole numbers
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     cuda = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
@@ -213,11 +215,16 @@ def main():
     backend = "nccl" if cuda else "gloo"
     global STORE
     started = time.monotonic()
-    try:  # bounded by the store's own timeout; rank 0 hosts it when there is no torchrun, and
-        # does not wait there for the others: the first shared step below names who never came
-        store = STORE = launcher.job_store(args.timeout_seconds / 60, wait_for_workers=False)
+    try:  # rank 0 hosts the store when there is no torchrun, and does not wait there for the
+        # others: the first shared step below names who never came. Reaching it is bounded by
+        # the store's timeout, which a connection spends twice (it tries again once): half each.
+        store = STORE = launcher.job_store(args.timeout_seconds / 2 / 60, wait_for_workers=False)
     except (dist.DistError, RuntimeError) as e:
         where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        if rank == 0 and ("EADDRINUSE" in str(e) or "address already in use" in str(e).lower()):
+            raise Failed(f"rank 0 could not host the job's store at {where}: the port is in use (another process "
+                         "started with RANK=0, or another job): give each process its own RANK, or choose another "
+                         "MASTER_PORT") from None
         raise Failed(f"rank {rank} could not reach the job's store at {where} in {time.monotonic() - started:.0f} s "
                      f"({first_line(e).rstrip('.')}). Network settings: {settings()}. "
                      "What to try: docs/multi-node.md") from None
@@ -268,8 +275,8 @@ def run():
         main()
     except Failed as e:  # before any teardown: a process group with a collective in trouble may never tear down
         end(str(e), STORE)
-    except UsageError as e:  # bad flags or launch: every rank finds the same; rank 0 says it
-        if launcher.is_rank0():
+    except UsageError as e:  # bad flags or launch: every rank finds the same, and rank 0 says it, or one rank's own
+        if isinstance(e, RankError) or launcher.is_rank0():
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -15,7 +15,7 @@ import checkpointing
 import corpus
 import data
 from errors import ArgumentParser, UsageError
-from launcher import warn
+from launcher import check_launch_environment, warn
 from model import PRESETS
 
 
@@ -130,6 +130,7 @@ def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConf
             kwargs = {"type": type(f.default), **f.metadata["argparse"]}
             parser.add_argument(name, default=f.default, help=f.metadata["help"], **kwargs)
     cfg = TrainConfig(**vars(parser.parse_args(argv)))
+    check_launch_environment(one_process=not ddp)  # RANK, WORLD_SIZE...: whole numbers, as torchrun sets them
     for name, value in vars(cfg).items():  # `--init-from "$UNSET"` must not mean "no --init-from"
         if isinstance(value, str) and not value.strip():
             raise UsageError(f"--{name.replace('_', '-')} is empty (an unset variable in a job script?): give it "

@@ -8,9 +8,12 @@ import datetime
 import inspect
 import json
 import os
+import re
 import signal
 import sys
+import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,13 +36,39 @@ def is_rank0() -> bool:
     if dist.is_initialized():
         return dist.get_rank() == 0
     if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun for its workers
-        return int(os.environ.get("RANK", 0)) == 0
+        return os.environ.get("RANK", "0") == "0"
     return True
 
 
 def warn(message: str):
     if is_rank0():
         print(f"warning: {message}", file=sys.stderr)
+
+
+# What torchrun (or a job script launching by hand) tells each process, as whole numbers
+LAUNCH_NUMBERS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT")
+
+
+def check_launch_environment(one_process: bool):
+    """The launch variables must be what torchrun sets: digits (not "abc", "-1" or "1_0", which
+    int() would take as 10). A script that is one process (train_dp.py) reads them only under
+    torchrun, and refuses a torchrun that started several: they would train side by side into
+    one folder. Each rank says what it finds: a stray value may be one rank's alone."""
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if one_process and not under_torchrun:
+        return  # a stray RANK in a plain `python` run is nothing to a script of one process
+    for name in LAUNCH_NUMBERS:
+        value = os.environ.get(name)
+        if value is not None and not re.fullmatch(r"[0-9]+", value):
+            raise RankError(f"{name}={value} is not a whole number: {name} tells each process its place in the "
+                            "job; start the ranks with torchrun, or fix the job script that sets it")
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size < 1:
+        raise RankError(f"WORLD_SIZE={world_size}: a job has at least one process")
+    if one_process and world_size > 1:
+        raise RankError(f"{Path(sys.argv[0]).name} is one process, and torchrun started {world_size}: they would "
+                        "each train the whole model into one folder. Launch train_ddp.py or train_fsdp.py with "
+                        f"torchrun, or {Path(sys.argv[0]).name} with plain python")
 
 
 def restart_count() -> int:
@@ -76,18 +105,49 @@ def _finish_background_work():
 # KeyboardInterrupt instead, so that what is running ends its workers on its way out.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _main_pid, _signalled = None, None  # the process exit_on_usage_error runs in; the signal ending it
+_joining = False  # from job_store until side_groups returns: the ranks are meeting (exit_on_usage_error)
 
 
 def _end_at_once(signum, frame):
-    global _signalled
+    global _signalled, _deferred
     if os.getpid() != _main_pid:  # a process forked from this one, to prepare data: ours ends it
         if signum != signal.SIGINT:  # (Ctrl-C reaches it too: our process deals with it)
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)  # the default action: how Pool.terminate() ends a worker
         return
+    if _forking:
+        _deferred = _deferred or signum  # raised once the fork is over (_fork_ends)
+        return
     if _signalled is None:  # a second signal would interrupt the clean-up the first one began
         _signalled = signum
         raise KeyboardInterrupt
+
+
+# A signal that lands while os.fork runs its hooks (datasets starting its tokenizing workers)
+# must wait until the fork is over: raised inside a hook, the exception is printed and dropped
+# ("Exception ignored in ... _releaseLock"), and the signal with it; and logging's lock, taken
+# before the fork, may never be released. Ours are registered after logging's (torch imports
+# logging), so they run first before the fork and last after it: they bracket the others.
+_forking, _deferred = False, None
+
+
+def _fork_begins():
+    global _forking
+    _forking = True
+
+
+def _fork_ends():
+    global _forking, _deferred
+    _forking, signum, _deferred = False, _deferred, None
+    if signum is not None and os.getpid() == _main_pid:
+        # again, a moment later, from another thread: sent from here, its handler would run
+        # inside this hook. This hook is the fork's last: os.fork returns right after it.
+        resend = threading.Timer(0.05, os.kill, args=(os.getpid(), signum))
+        resend.daemon = True
+        resend.start()
+
+
+os.register_at_fork(before=_fork_begins, after_in_parent=_fork_ends, after_in_child=_fork_ends)
 
 
 def exit_on_usage_error(main):
@@ -95,14 +155,28 @@ def exit_on_usage_error(main):
     exit status 2; a signal before training begins, one line and 128 + its number. A
     checkpoint still being written is completed first, and the process group, if any, is
     destroyed on every way out."""
-    global _main_pid, _signalled
-    _main_pid, _signalled = os.getpid(), None
+    global _main_pid, _signalled, _joining
+    _main_pid, _signalled, _joining = os.getpid(), None, False
     previous = {sig: signal.signal(sig, _end_at_once) for sig in _STOP_SIGNALS}
     try:
         main()
+    except (dist.DistError, RuntimeError) as e:
+        if not _joining:  # anything else: torch's own report, whole
+            raise
+        # Meeting the other ranks failed (job_store to side_groups): a store that cannot be
+        # reached, a port in use, ranks started by hand that disagree (another WORLD_SIZE, two
+        # with one RANK). Each rank says what it met: one line, not a page of C++ frames.
+        close_progress_bars()
+        where = f"MASTER_ADDR={os.environ.get('MASTER_ADDR')} MASTER_PORT={os.environ.get('MASTER_PORT')}"
+        message = (f"rank {os.environ.get('RANK', 0)} of WORLD_SIZE={os.environ.get('WORLD_SIZE', 1)} could not meet "
+                   f"the others ({where}): {first_line(e)}. Every rank needs the same WORLD_SIZE and MASTER_ADDR/"
+                   "MASTER_PORT and a RANK of its own (torchrun sets them): see docs/multi-node.md")
+        print(f"error: {message}", file=sys.stderr)
+        tell_torchrun(f"error: {message}")
+        sys.exit(2)
     except UsageError as e:
         close_progress_bars()
-        if is_rank0() or isinstance(e, RankError):  # every rank sees a UsageError: print it once
+        if isinstance(e, RankError) or is_rank0():  # every rank sees a UsageError: print it once
             print(f"error: {e}", file=sys.stderr)
         tell_torchrun(f"error: {e}")
         sys.exit(2)
@@ -170,6 +244,8 @@ def job_store(timeout_minutes: float, wait_for_workers: bool = True):
     prefix per restart (or, under plain `python`, one for a world of one). Launched without
     torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand), rank 0 hosts it and,
     unless told not to, waits there for the others to connect."""
+    global _joining
+    _joining = True  # until side_groups: see exit_on_usage_error
     timeout = datetime.timedelta(minutes=timeout_minutes)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if ("RANK" in os.environ or world_size > 1) and not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
@@ -179,17 +255,20 @@ def job_store(timeout_minutes: float, wait_for_workers: bool = True):
                          "without MASTER_ADDR and MASTER_PORT: start the ranks with torchrun, or unset RANK and "
                          "WORLD_SIZE to train as one process")
     if not 0 <= rank < world_size:
-        raise UsageError(f"RANK={rank} is not a rank of WORLD_SIZE={world_size} (0 to {world_size - 1})")
+        raise RankError(f"RANK={rank} is not a rank of WORLD_SIZE={world_size} (0 to {world_size - 1})")
     if "RANK" not in os.environ:
         return dist.HashStore()
     port = os.environ["MASTER_PORT"]
-    if not (port.isdigit() and int(port) < 2**16):
-        raise UsageError(f"MASTER_PORT={port} is not a port number (0 to 65535)")
+    if not (re.fullmatch(r"[0-9]+", port) and int(port) < 2**16):
+        raise RankError(f"MASTER_PORT={port} is not a port number (0 to 65535)")
     # torchrun hosts the store itself (TORCHELASTIC_USE_AGENT_STORE) and shares it with the
     # workers, keeping it when it restarts them (--max-restarts): keys of each attempt get their
     # own prefix, or a restarted rank can read a dead peer's address and fail to connect
     # (pytorch/pytorch#135712). What dist.rendezvous("env://") does, with wait_for_workers.
     by_torchrun = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if int(port) == 0 and world_size > 1 and not by_torchrun:
+        raise RankError("MASTER_PORT=0: rank 0 would listen on a port of its choosing, which the other ranks "
+                        "cannot know; give every rank the same free port")
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(port), world_size, is_master=rank == 0 and not by_torchrun,
                           timeout=timeout, wait_for_workers=wait_for_workers, multi_tenant=True)
     return dist.PrefixStore(f"attempt{restart_count()}/", store)
@@ -201,9 +280,15 @@ def side_groups(backend: str, timeout_minutes: float, data_timeout_minutes: floa
     far longer than a training collective should ever take. `control` (NCCL only) carries the
     per-step stop flag, which under NCCL would need a GPU tensor whose read-back stalls the
     host; it waits as long as the training collectives do."""
+    global _joining
+    # Every rank has joined first, within a training collective's timeout: making a group waits
+    # for every rank as long as the group may wait (a day for `prep`), and a rank started with
+    # another WORLD_SIZE, by hand, would never come.
+    dist.barrier(**({"device_ids": [torch.cuda.current_device()]} if dist.get_backend() == "nccl" else {}))
     prep = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=data_timeout_minutes))
     control = (dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
                if backend == "nccl" else None)
+    _joining = False  # the ranks have met
     return prep, control
 
 

@@ -17,7 +17,7 @@ from train_fsdp import shard  # noqa: E402
 
 dist.init_process_group("gloo")
 rank, world_size = dist.get_rank(), dist.get_world_size()
-cfg = training.parse_args(["--vocab-size", "300", "--seq-len", "32"])
+cfg = training.parse_args(["--vocab-size", "300", "--seq-len", "32"], ddp=True)  # as train_fsdp.py, under torchrun
 model = training.build_model(cfg, 300, torch.float32, device="meta")
 on_meta = all(p.is_meta for p in model.parameters())  # nothing allocated yet, on any rank
 shard(model, init_device_mesh("cpu", (world_size,)), torch.float32)

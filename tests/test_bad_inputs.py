@@ -7,11 +7,14 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import FAST, FAST_WITH_TOKENIZER, REPO, assert_same_weights, run_script, script_in_process, train
+from conftest import (FAST, FAST_WITH_TOKENIZER, REPO, assert_same_weights, launch_env, run_script,
+                      script_in_process, train)
 from config import TrainConfig
 from errors import UsageError
 
@@ -322,7 +325,7 @@ def test_every_flag_rejects_a_bad_value(tmp_path, corpus, capsys, flag, value, m
 
 @pytest.mark.parametrize("script, args, message", [
     ("train_dp.py", ["--dataset", "missing.txt"], "dataset file or folder not found: missing.txt"),
-    ("generate.py", ["nowhere"], "nowhere is not an output folder"),
+    ("generate.py", ["nowhere"], "nowhere is not the output folder of a training run"),
 ])
 def test_a_stray_rank_variable_outside_torchrun_hides_no_error(tmp_path, script, args, message, monkeypatch, capsys):
     """RANK=1 left in a shell (or set by another tool) is not a job: the error still shows."""
@@ -347,6 +350,68 @@ def test_rank_variables_without_torchrun_are_one_line_not_a_hang(tmp_path, corpu
         f"error: RANK={variables.get('RANK', '(unset)')} WORLD_SIZE={variables.get('WORLD_SIZE', '(unset)')} without "
         "MASTER_ADDR and MASTER_PORT: start "
         "the ranks with torchrun, or unset RANK and WORLD_SIZE to train as one process"]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("script, variables, message", [
+    ("train_ddp.py", {"RANK": "abc", "WORLD_SIZE": "2"}, "RANK=abc is not a whole number"),
+    ("train_fsdp.py", {"RANK": "0", "WORLD_SIZE": "1_0"}, "WORLD_SIZE=1_0 is not a whole number"),  # int() says 10
+    ("train_ddp.py", {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "junk"}, "LOCAL_RANK=junk is not a whole number"),
+    ("train_ddp.py", {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "\u00b2"},
+     "MASTER_PORT=\u00b2 is not a whole number"),  # a digit to str.isdigit, not to int()
+    ("train_ddp.py", {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"},
+     "MASTER_PORT=0: rank 0 would listen on a port of its choosing"),
+    ("train_ddp.py", {"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+                      "TORCHELASTIC_RUN_ID": "x"}, "RANK=3 is not a rank of WORLD_SIZE=2"),  # said by rank 3 itself
+    # train_dp.py is one process: started several times by torchrun, they would train into one folder
+    ("train_dp.py", {"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"},
+     "train_dp.py is one process, and torchrun started 2"),
+    ("train_dp.py", {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "junk", "TORCHELASTIC_RUN_ID": "x"},
+     "LOCAL_WORLD_SIZE=junk is not a whole number"),
+])
+def test_launch_variables_that_are_not_torchruns_are_one_line_from_the_rank_that_has_them(
+        tmp_path, corpus, monkeypatch, capsys, script, variables, message):
+    """Set by hand in a job script, RANK, WORLD_SIZE and the rest were int()'s traceback, or
+    an error nobody printed (a rank other than 0 keeps quiet under torchrun). Each rank checks
+    its own, before anything is written, and says what it found."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    assert script_in_process(script, ["--dataset", str(corpus), *FAST, "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not out.exists()
+
+
+def test_ranks_started_by_hand_with_different_world_sizes_both_end_with_one_line_within_the_timeout(tmp_path, corpus):
+    """RANK=0 WORLD_SIZE=2 and RANK=1 WORLD_SIZE=3: the second waits for a rank 2 that never
+    comes, and the first, which met rank 1, went on to make the data-preparation group, which
+    waited for it a day (--data-timeout-minutes), deaf to SIGTERM. Every rank now meets all the
+    others within --timeout-minutes first, and each ends with one line, having written nothing."""
+    import socket
+    with socket.socket() as s:  # a free port, once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out"
+    args = ["--dataset", str(corpus), *FAST, "--batch-size", "12", "--out-dir", str(out), "--timeout-minutes", "0.1"]
+    procs = [subprocess.Popen([sys.executable, str(REPO / "train_ddp.py"), *args], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=launch_env({"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": world_size,
+                                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}))
+             for rank, world_size in ((0, "2"), (1, "3"))]
+    try:
+        ended = [proc.communicate(timeout=300) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for rank, (proc, (_, stderr)) in enumerate(zip(procs, ended)):
+        ours = [line for line in stderr.splitlines() if line.startswith("error: ")]
+        assert proc.returncode == 2 and "Traceback" not in stderr, stderr
+        assert len(ours) == 1 and ours[0].startswith(f"error: rank {rank} of WORLD_SIZE={2 + rank} could not meet "
+                                                     "the others (MASTER_ADDR=127.0.0.1"), stderr
     assert not out.exists()
 
 

@@ -151,9 +151,10 @@ def test_any_difference_in_gpu_kind_or_nccl_is_called_out():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--timeout-seconds", "0"], "--timeout-seconds must be positive and at most a day (86400), got 0"),
-    (["--timeout-seconds", "inf"], "--timeout-seconds must be positive and at most a day (86400), got inf"),
-    (["--timeout-seconds", "nan"], "--timeout-seconds must be positive and at most a day (86400), got nan"),
+    (["--timeout-seconds", "0"], "--timeout-seconds must be at least 1 and at most a day (86400), got 0"),
+    (["--timeout-seconds", "1e-300"], "--timeout-seconds must be at least 1 and at most a day (86400), got 1e-300"),
+    (["--timeout-seconds", "inf"], "--timeout-seconds must be at least 1 and at most a day (86400), got inf"),
+    (["--timeout-seconds", "nan"], "--timeout-seconds must be at least 1 and at most a day (86400), got nan"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(flags, message):

@@ -518,6 +518,35 @@ def test_a_checkpoint_whose_weights_turned_non_finite_is_called_damaged_not_dive
                                        "is damaged; move it away to resume from the one before it\n")
 
 
+SIGNAL_DURING_A_FORK = """
+import os, signal, sys
+os.register_at_fork(before=lambda: os.kill(os.getpid(), signal.SIGTERM))  # runs inside launcher's bracket
+sys.path.insert(0, sys.argv[1])
+import launcher
+
+def main():
+    child = os.fork()  # as datasets does, starting its tokenizing workers
+    if child == 0:
+        os._exit(0)
+    os.waitpid(child, 0)
+    for _ in range(10**8):  # more work: the signal must end it
+        pass
+    print("went on to the end")
+
+launcher.exit_on_usage_error(main)
+"""
+
+
+def test_a_signal_that_lands_while_a_worker_is_forked_still_stops_the_run():
+    """SIGTERM delivered while os.fork runs its hooks (the moment datasets starts its
+    tokenizing workers) raised KeyboardInterrupt inside a hook, where Python drops it: the
+    run trained on to the end, exit 0, and logging's lock could stay held. The signal now
+    waits for the fork to end, then stops the run as any other."""
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_DURING_A_FORK, str(REPO)], capture_output=True, text=True,
+                          timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (128 + signal.SIGTERM, "", "stopped by SIGTERM\n")
+
+
 def test_a_run_whose_gradients_are_all_exactly_zero_stops_with_one_line(runs, tmp_path, capsys, monkeypatch):
     """What torch 2.11's compiler did to the chunked loss (pytorch/pytorch#180642): backward's
     incoming gradient became 0, so every gradient was 0 and the run trained on, learning
