@@ -94,6 +94,10 @@ def resuming(out_dir: str, resume: bool) -> bool:
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out-dir {out} exists and is not a folder")
+    # where the run writes a file, a folder or a FIFO would fail its write after training
+    files = [out / name for name in RUN_FILES if name != TENSORBOARD] + numbered_checkpoints(out)
+    if in_the_way := next((p for p in files if os.path.lexists(p) and not p.is_file()), None):
+        raise UsageError(f"{in_the_way} is not a regular file, and this run writes a file there: move it away")
     checkpoints = [p for p in [out / CHECKPOINT, *numbered_checkpoints(out)] if p.is_file()]
     checkpoints += sharded_checkpoints(out)
     if resume or (restart_count() and checkpoints):
@@ -117,7 +121,7 @@ def load_latest_checkpoint(out_dir) -> dict:
     out = Path(out_dir)
     candidates = [out / CHECKPOINT, *reversed(numbered_checkpoints(out))]
     failures = []
-    for path in (p for p in candidates if p.is_file()):
+    for path in (p for p in candidates if os.path.lexists(p)):  # a FIFO or a dangling link is one failure more
         try:
             ckpt = load_checkpoint(path)
         except UsageError as e:
@@ -127,7 +131,7 @@ def load_latest_checkpoint(out_dir) -> dict:
             warn(f"{failures[0]}; falling back to {path.name}")
         ckpt["path"], ckpt["inode"] = str(path), path.stat().st_ino
         return ckpt
-    raise UsageError(failures[0])
+    raise UsageError(failures[0] if failures else f"{out} holds no checkpoint")
 
 
 def load_pt(path, what: str):
@@ -153,10 +157,27 @@ def load_pt(path, what: str):
 
 def load_checkpoint(path) -> dict:
     ckpt = load_pt(path, "checkpoint")
-    keys = {"model", "optimizer", "scheduler", "step", "model_config", "train_config"}
-    if not isinstance(ckpt, dict) or not keys <= ckpt.keys():
-        raise UsageError(f"{path} is not a checkpoint of this trainer")
+    check_checkpoint(ckpt, path)
     return ckpt
+
+
+# What run_state writes (and checkpoint_state adds), by kind: a resume reads each
+RUN_STATE_KINDS = {"train_config": dict, "model_config": dict, "scheduler": dict, "rng": dict, "step": int,
+                   "steps_per_epoch": int}
+
+
+def check_checkpoint(ckpt, path, sharded: bool = False):
+    """A checkpoint of this trainer holds what run_state wrote, of the kinds it wrote: anything
+    else is one line here (and the run falls back to an older checkpoint), not a traceback
+    later, nor a run that trains on from a step it never reached."""
+    kinds = {**RUN_STATE_KINDS, **({} if sharded else {"model": dict, "optimizer": dict})}
+    if not isinstance(ckpt, dict) or not kinds.keys() <= ckpt.keys():
+        raise UsageError(f"{path} is not a checkpoint of this trainer")
+    for key, kind in kinds.items():
+        if not isinstance(ckpt[key], kind) or isinstance(ckpt[key], bool):
+            raise UsageError(f"{path} is damaged: its {key} is not a {kind.__name__}, as this trainer saves it")
+    if ckpt["step"] < 0 or ckpt["steps_per_epoch"] < 1 or not isinstance(ckpt.get("corpus", {}), (dict, type(None))):
+        raise UsageError(f"{path} is damaged: step {ckpt['step']}, {ckpt['steps_per_epoch']} steps per epoch")
 
 
 def checkpoint_state(model, optimizer, scheduler, cfg, step, train_ds) -> dict:
@@ -401,7 +422,8 @@ def init_source(path: str) -> tuple[Path, Path]:
     p = Path(path).expanduser()
     if p.is_dir() and (p / CONFIG).is_file():  # an output folder
         out = p
-        newest = [p / name for name in (MODEL, CHECKPOINT) if (p / name).is_file()] or sharded_checkpoints(p)[-1:]
+        # whatever is there (a FIFO, a folder, a dangling link): refused when read, never passed over
+        newest = [p / name for name in (MODEL, CHECKPOINT) if os.path.lexists(p / name)] or sharded_checkpoints(p)[-1:]
         if not newest and (p / "model.safetensors").is_file():
             raise UsageError(f"--init-from {path} is a Hugging Face export (export_hf.py): give the output "
                              "folder it was exported from")
@@ -430,9 +452,12 @@ def weights_in(path: Path) -> dict:
 
 
 def unusable_weight(state: dict) -> str | None:
-    """The name of the first weight that is not finite floating point (NaN, inf, integers), or None."""
-    return next((name for name, t in state.items() if not (t.is_floating_point() and torch.isfinite(t).all())),
-                None)
+    """The name of the first weight that is not finite floating point (NaN, inf, integers), or None.
+    Only a plain tensor with values counts (a file may hold a sparse or a meta one)."""
+    def usable(t) -> bool:
+        return (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"
+                and t.is_floating_point() and bool(torch.isfinite(t).all()))
+    return next((name for name, t in state.items() if not usable(t)), None)
 
 
 def folder_weight_shapes(path: Path) -> dict:
@@ -451,11 +476,11 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
     text = corpus.read_text(out / CONFIG, "model config", 2**20)
     try:
         config = LlamaConfig(**json.loads(text))
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RecursionError) as e:  # (RecursionError: "[[[[..." nested past the parser)
         raise UsageError(f"cannot read {out / CONFIG}: {first_line(e)}") from None
     expected = model_shapes(config)
     ckpt = None
-    if (out / MODEL).is_file():
+    if os.path.lexists(out / MODEL):  # whatever is there: a FIFO or a folder is refused, not passed over
         state = load_pt(out / MODEL, "weights")
         saved = shapes_of(state)
     elif sharded_checkpoints(out) and not (out / CHECKPOINT).is_file():  # an unfinished train_fsdp.py run
@@ -465,7 +490,7 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
              f"step {ckpt['step']}, gathered from its shards")
         saved = sharded_checkpointing.model_shapes(ckpt)
     else:
-        if not (out / CHECKPOINT).is_file() and not numbered_checkpoints(out):
+        if not os.path.lexists(out / CHECKPOINT) and not numbered_checkpoints(out):
             raise UsageError(f"{out} holds no {MODEL} and no checkpoint: nothing trained yet")
         ckpt = load_latest_checkpoint(out)
         warn(f"no {MODEL} in {out} (the run has not finished): using {Path(ckpt['path']).name}, "
@@ -480,6 +505,9 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
     if ckpt is not None and ckpt.get("sharded"):  # DCP reshards every tensor to this one process
         sharded_checkpointing.load_model(Path(ckpt["path"]), model)
     else:
+        if name := unusable_weight(state):  # integers or NaN: load_state_dict would cast them in silence
+            raise UsageError(f"the weights in {out} are not finite floating point ({name}): nothing to sample or "
+                             "export from them")
         try:
             model.load_state_dict(state)
         except (RuntimeError, AttributeError) as e:
@@ -487,4 +515,8 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
     if name := unusable_weight(dict(model.named_parameters())):  # what a diverged or damaged file holds
         raise UsageError(f"the weights in {out} are not finite ({name} holds NaN or inf): nothing to sample or "
                          "export from them")
-    return model.eval(), load_tokenizer(out / TOKENIZER)
+    tokenizer = load_tokenizer(out / TOKENIZER)
+    if tokenizer.get_vocab_size() != config.vocab_size:  # another run's: its ids would index other rows
+        raise UsageError(f"{out / TOKENIZER} has {tokenizer.get_vocab_size():,} tokens, and the model "
+                         f"{config.vocab_size:,} ({CONFIG}): the tokenizer of another run?")
+    return model.eval(), tokenizer

@@ -18,6 +18,14 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def path_argument(value: str) -> str:
+    """argparse's type for a path argument: an empty one (an unset variable in a job script)
+    is refused, never taken as the current folder."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("is empty (an unset variable in a job script?)")
+    return value
+
+
 def first_line(e: BaseException) -> str:
     """The first line of the innermost cause: "JSON parse error ... in row 1", not the
     wrapper's "An error occurred while generating the dataset"."""
@@ -30,4 +38,7 @@ def first_line(e: BaseException) -> str:
         # code the file holds: never passed on. What it refused is on a later line.
         found = [line.strip() for line in text.splitlines() if "unsupported" in line.lower()]
         return "refused: it holds more than tensors and plain values" + (f" ({found[0]})" if found else "")
-    return text.splitlines()[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if lines[0].endswith(":") and len(lines) > 1:  # "Error(s) in loading state_dict for X:", the error below it
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]

@@ -26,7 +26,7 @@ import checkpointing
 import launcher
 import training
 from data import BOT, EOT, PAD
-from errors import UsageError
+from errors import UsageError, path_argument
 from model import LlamaForPretraining
 
 
@@ -68,14 +68,23 @@ def hf_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
     return hf
 
 
+# What an export writes: an unfinished one (.NAME.partial) holding these alone is ours to replace
+EXPORT_FILES = {"model.safetensors", "tokenizer.json", "config.json", "generation_config.json",
+                "tokenizer_config.json", "special_tokens_map.json"}
+
+
 def export(out_dir: str, hf_dir: str):
     hf = Path(hf_dir)
-    if hf.exists() and not (hf.is_dir() and not any(hf.iterdir())):
+    if os.path.lexists(hf) and (hf.is_symlink() or not (hf.is_dir() and not any(hf.iterdir()))):
         raise UsageError(f"{hf} already exists: choose a new folder (nothing was written)")
     checkpointing.check_writable(hf_dir, "the export folder")  # e.g. not under a regular file
+    partial = hf.with_name(f".{hf.name}.partial")  # complete, or not there at all
+    if os.path.lexists(partial):  # an export that was interrupted; anything else there is not ours to delete
+        if partial.is_symlink() or not partial.is_dir() or not {p.name for p in partial.iterdir()} <= EXPORT_FILES:
+            raise UsageError(f"{partial} is in the way, and is not an unfinished export: move it away (nothing was "
+                             "written)")
     model, tokenizer = checkpointing.load_trained(out_dir)
     tokens = {"bos_token": BOT, "eos_token": EOT, "pad_token": PAD}
-    partial = hf.with_name(f".{hf.name}.partial")  # complete, or not there at all
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     (partial / "model.safetensors").write_bytes(save(hf_state_dict(model), metadata={"format": "pt"}))
@@ -100,8 +109,8 @@ def export(out_dir: str, hf_dir: str):
 
 def main(argv=None):
     parser = training.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir", help="output folder of a training run")
-    parser.add_argument("hf_dir", help="new folder for the Hugging Face files")
+    parser.add_argument("out_dir", type=path_argument, help="output folder of a training run")
+    parser.add_argument("hf_dir", type=path_argument, help="new folder for the Hugging Face files")
     args = parser.parse_args(argv)
     export(args.out_dir, args.hf_dir)
 

@@ -21,7 +21,7 @@ import checkpointing
 import launcher
 import training
 from data import BOT, EOT, text_only
-from errors import UsageError
+from errors import UsageError, path_argument
 from model import LlamaForPretraining
 
 
@@ -62,7 +62,7 @@ def generate(model: LlamaForPretraining, prompt_ids: list[int], max_new_tokens: 
 
 def parse_args(argv=None):
     parser = training.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir", help="output folder of a training run")
+    parser.add_argument("out_dir", type=path_argument, help="output folder of a training run")
     parser.add_argument("--prompt", default="", help="text to continue (default: none, sample from scratch)")
     parser.add_argument("--max-new-tokens", type=int, help="tokens to generate at most (default: 200, or fewer "
                         "to stay within the sequence length the model was trained at)")

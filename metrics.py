@@ -8,9 +8,12 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import os
 import re
 import secrets
 import shlex
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -170,6 +173,8 @@ def read_metrics(path: Path, warn_if_torn: bool = True) -> list[dict]:
             row = json.loads(line)
             if not isinstance(row, dict) or not isinstance(row.get("step"), int):
                 raise ValueError("not a row with a step")
+            if bad := next((k for k, v in row.items() if not is_number(v)), None):  # every value we log is one
+                raise ValueError(f"its {bad} is not a number: {str(row[bad])[:40]}")
         except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep to parse
             if number == len(lines):  # the last line, with no newline after it: torn
                 if warn_if_torn:
@@ -178,6 +183,11 @@ def read_metrics(path: Path, warn_if_torn: bool = True) -> list[dict]:
             raise UsageError(f"{path}, line {number}: {first_line(e)}; repair or remove that line") from None
         rows.append(row)
     return rows
+
+
+def is_number(value) -> bool:
+    """A finite number, as JSON gives it back (not a bool; not an int past what a float holds)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and -1e300 < value < 1e300
 
 
 def scalars(row: dict) -> dict:
@@ -214,7 +224,12 @@ class TensorBoardSink:
         folder = out / TENSORBOARD
         if folder.exists() and not folder.is_dir():
             raise UsageError(f"{folder} is a file, not a folder of TensorBoard event files: move it away")
+        created = not os.path.lexists(folder)
         try:
+            # a file of our own first: a folder that cannot be written fails here, not in the
+            # writer's thread (whose traceback would follow our line)
+            folder.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=folder).close()
             self.writer = SummaryWriter(str(folder), purge_step=0)
             flags = "\n".join(f"| {k} | {v} |" for k, v in dataclasses.asdict(cfg).items())
             self.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, 0)
@@ -222,6 +237,8 @@ class TensorBoardSink:
                 self.add(row)
             self.writer.flush()
         except OSError as e:  # a read-only folder, a full disk
+            if created:  # an empty folder left behind would mark OUT as a run's
+                shutil.rmtree(folder, ignore_errors=True)
             raise UsageError(f"--tensorboard: cannot write {folder}: {first_line(e)}") from None
 
     def add(self, row: dict):
@@ -252,12 +269,18 @@ class WandbSink:
             raise UsageError(f"{self.state} says W&B has the steps up to {self.sent:,}, but metrics.jsonl logged "
                              f"only up to {logged:,}: the resumed run would send W&B nothing. Remove it to start a "
                              "new W&B run")
-        try:
+        asked = os.environ.get("WANDB_MODE", "online")
+        try:  # at a terminal without a login, W&B asks how to go on: a minute, then it gives up
             self.run = wandb.init(project=cfg.wandb, name=cfg.wandb_run, id=run_id, resume="allow", dir=str(out),
-                                  config=dataclasses.asdict(cfg))
+                                  config=dataclasses.asdict(cfg), settings=wandb.Settings(login_timeout=60))
         except Exception as e:  # no login, no network, a project name W&B refuses: its own words, in one line
             raise UsageError(f"--wandb {cfg.wandb}: W&B could not start the run ({first_line(e)}); log in with "
                              "`wandb login`, or keep the run on disk with WANDB_MODE=offline") from None
+        if asked == "online" and (self.run.offline or self.run.disabled):  # a choice at its prompt, or its timeout
+            self.run.finish()
+            raise UsageError(f"--wandb {cfg.wandb}: W&B did not log in, and would have run "
+                             f"{'offline' if self.run.offline else 'disabled'} instead; log in with `wandb login`, "
+                             "or ask for a run on disk with WANDB_MODE=offline")
         self.run_id, self.sent_before = run_id, self.sent  # earlier sessions sent the steps up to sent_before
 
     def begin(self, kept: list[dict]):
@@ -269,12 +292,13 @@ class WandbSink:
     def read_state(self) -> tuple[str, int]:
         if not self.state.exists():
             return secrets.token_hex(4), -1  # a new W&B run (8 characters, as W&B's own ids), nothing sent
+        text = corpus.read_text(self.state, "W&B run file", 1024)  # a FIFO or a device: its own line
         try:
-            run_id, sent = corpus.read_text(self.state, "W&B run file", 1024).split()
-            if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):
+            run_id, sent = text.split()
+            if not (re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id) and re.fullmatch(r"-?[0-9]{1,18}", sent)):
                 raise ValueError
             return run_id, int(sent)
-        except (OSError, ValueError):
+        except ValueError:
             raise UsageError(f"{self.state} does not hold a W&B run id and a step: remove it to start a new W&B "
                              "run") from None
 

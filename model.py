@@ -7,6 +7,7 @@ Shapes used in the comments: B batch, T sequence length, C hidden size, H query 
 K key/value heads, D head dim (C // H), V vocabulary.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +36,19 @@ class LlamaConfig:
     trained_seq_len: int | None = None
 
     def __post_init__(self):
+        # A config.json read back may hold anything: every size a whole number a model can have
+        # (2**31: an embedding's index), the two constants positive and finite
         for name in ("vocab_size", "max_position_embeddings", "hidden_size", "intermediate_size",
                      "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**31:
+                raise ValueError(f"{name} must be a positive integer below 2**31, got {str(value)[:40]}")
+        if self.max_position_embeddings > 2**20:  # RoPE's tables hold them all, 1M positions and more a GB
+            raise ValueError(f"max_position_embeddings must be at most 2**20, got {self.max_position_embeddings}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive number, got {str(value)[:40]}")
         if self.trained_seq_len is not None and not (isinstance(self.trained_seq_len, int)
                                                      and 1 <= self.trained_seq_len <= self.max_position_embeddings):
             raise ValueError(f"trained_seq_len must be a positive integer up to max_position_embeddings, "

@@ -9,20 +9,21 @@ which training does not.
 """
 
 import argparse
+import os
 from pathlib import Path
 
 import launcher
 import metrics
 import training
 from checkpointing import METRICS
-from errors import UsageError, first_line
+from errors import UsageError, first_line, path_argument
 
 
 def read_metrics(out_dir: str) -> list[dict]:
     """The rows of a run's metrics.jsonl (metrics.read_metrics: a torn last line is dropped
     with a warning, other damage is an error)."""
     path = Path(out_dir) / METRICS
-    if not path.is_file():
+    if not os.path.lexists(path):  # something else there (a FIFO) is refused by read_metrics, as what it is
         raise UsageError(f"{out_dir} holds no {METRICS}: not an output folder of a training run")
     try:
         rows = metrics.read_metrics(path)
@@ -87,14 +88,16 @@ def plot(runs: dict[str, list[dict]], output: str, plt):
 
 def main(argv=None):
     parser = training.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dirs", nargs="+", help="output folders of training runs")
-    parser.add_argument("-o", "--output", default="metrics.png", help="image to write (PNG unless its suffix "
+    parser.add_argument("out_dirs", nargs="+", type=path_argument, help="output folders of training runs")
+    parser.add_argument("-o", "--output", default="metrics.png", type=path_argument, help="image to write (PNG unless its suffix "
                         "names another format, such as .svg or .pdf)")
     args = parser.parse_args(argv)
     plt = pyplot()
     output = output_path(args.output, plt)
     if not Path(output).resolve().parent.is_dir():
         raise UsageError(f"--output {args.output}: its folder does not exist")
+    if os.path.lexists(output) and not os.path.isfile(output):  # a FIFO would block the write, a folder fail it
+        raise UsageError(f"--output {output} exists and is not a file: choose another name")
     runs = {}
     for out_dir in args.out_dirs:
         name = Path(out_dir).resolve().name

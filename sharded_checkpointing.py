@@ -25,15 +25,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
 import corpus
-from checkpointing import (CheckpointWriter, _fsync_dir, _nbytes, atomic_save, disk_full, load_pt, sharded_checkpoints,
-                           to_prune)
+from checkpointing import (CheckpointWriter, _fsync_dir, _nbytes, atomic_save, check_checkpoint, disk_full, load_pt,
+                           sharded_checkpoints, to_prune)
 from errors import UsageError, first_line
 from launcher import warn
 
@@ -76,6 +76,11 @@ def read_metadata(path: Path) -> Metadata:
         raise UsageError(f"cannot read {path / '.metadata'}: {e}") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise UsageError(f"{path / '.metadata'} is not the metadata of a sharded checkpoint")
+    for fqn, meta in metadata.state_dict_metadata.items():  # a weight saved as integers would be cast in silence
+        dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+        if fqn.startswith("model.") and isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
+            raise UsageError(f"{path / '.metadata'}: {fqn.removeprefix('model.')} is saved as {dtype}, not floating "
+                             "point: the checkpoint is damaged")
     sizes = {}
     for info in metadata.storage_data.values():
         name = getattr(info, "relative_path", None)
@@ -87,6 +92,8 @@ def read_metadata(path: Path) -> Metadata:
             sizes[name] = (path / name).stat().st_size if (path / name).is_file() else None
         if sizes[name] is None:
             raise UsageError(f"{path / name} is missing: the checkpoint is incomplete")
+        if not all(isinstance(n, int) and 0 <= n for n in (getattr(info, "offset", None), getattr(info, "length", None))):
+            raise UsageError(f"{path / '.metadata'} gives {name} a negative or no offset or length: it is damaged")
         if info.offset + info.length > sizes[name]:
             raise UsageError(f"{path / name} is shorter than its .metadata says: the checkpoint is truncated")
     for index, info in metadata.storage_data.items():
@@ -137,8 +144,7 @@ def load_latest_checkpoint(out_dir) -> dict:
                 raise UsageError(f"{path} has no .metadata: not a complete checkpoint")
             read_metadata(path)
             ckpt = load_pt(path / TRAIN_STATE, "checkpoint")
-            if not isinstance(ckpt, dict) or not {"step", "scheduler", "model_config", "train_config"} <= ckpt.keys():
-                raise UsageError(f"{path / TRAIN_STATE} is not a checkpoint of this trainer")
+            check_checkpoint(ckpt, path / TRAIN_STATE, sharded=True)
         except UsageError as e:
             failures.append(str(e))
             continue
@@ -234,13 +240,24 @@ def restore(ckpt: dict, model, optimizer) -> None:
     world size changed. The templates come from get_state_dict: a fresh AdamW has no state
     yet, and its own state_dict() would be a template without the moments to load into."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    reader = _SafeReader(Path(ckpt["path"]))  # checks .metadata again: a UsageError line of its own
-    try:
-        dcp.load({"model": model_state, "optimizer": optimizer_state}, storage_reader=reader, planner=_SafePlanner())
-    except Exception as e:  # a shard whose bytes changed after load_latest_checkpoint chose it
-        raise UsageError(f"cannot load {ckpt['path']}: {first_line(e)}; move it away to resume from the one "
-                         "before it") from None
+    _load({"model": model_state, "optimizer": optimizer_state}, Path(ckpt["path"]))
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+
+
+def _load(state: dict, path: Path):
+    """dcp.load from a folder whose .metadata read_metadata() checked (again: a UsageError line
+    of its own), its failures one line: a shard whose bytes are not what .metadata says, a
+    tensor of another shape. (DCP raises CheckpointException, which is no Exception.)"""
+    reader = _SafeReader(path)
+    try:
+        with warnings.catch_warnings():  # in one process without a process group, DCP warns that it is
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, storage_reader=reader, planner=_SafePlanner(), no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:
+        cause = next(iter(getattr(e, "failures", {}).values()), e)  # CheckpointException: each rank's error
+        cause = cause[0] if isinstance(cause, tuple) else getattr(cause, "exc", cause)
+        raise UsageError(f"cannot load {path}: {first_line(cause)}: the checkpoint is damaged; move it away (to "
+                         "resume from the one before it)") from None
 
 
 def model_shapes(ckpt: dict) -> dict:
@@ -255,9 +272,7 @@ def load_model(path: Path, model) -> None:
     sharded in any way or whole: DCP reads each rank's part of every tensor (the whole of it
     in one process without a process group: generate.py, export_hf.py, an --init-from)."""
     state = {"model": get_model_state_dict(model)}
-    with warnings.catch_warnings():  # in one process without a process group, DCP warns that it is
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(), no_dist=not dist.is_initialized())
+    _load(state, path)
     set_model_state_dict(model, state["model"])
 
 

@@ -22,7 +22,7 @@ import packing
 from checkpointing import METRICS, TOKENIZER
 # the flags live in config.py; the scripts (and the tools) reach them through this module
 from config import TRAINING_PRESETS, ArgumentParser, TrainConfig, micro_batch_size, parse_args  # noqa: F401
-from errors import UsageError
+from errors import UsageError, first_line
 from launcher import is_rank0, restart_count, warn
 from metrics import read_metrics
 from model import PRESETS, LlamaConfig, LlamaForPretraining
@@ -322,6 +322,10 @@ def resume(ckpt: dict | None, cfg: TrainConfig, model, optimizer, scheduler, ste
     rank keeps a second copy of the weights and optimizer state for the whole run."""
     if ckpt is None:
         return 0
+    all_epochs = cfg.epochs * steps_per_epoch
+    if ckpt["step"] > (last := min(cfg.max_steps, all_epochs) if cfg.max_steps else all_epochs):
+        raise UsageError(f"{ckpt['path']} is at step {ckpt['step']}, past this run's last step ({last}): the "
+                         "checkpoint is damaged; move it away to resume from the one before it")
     for f in dataclasses.fields(cfg):  # the flags first: they name what changed in the user's words
         was, now = ckpt["train_config"].get(f.name), getattr(cfg, f.name)
         if f.name == "vocab_size" and now is None:  # not given: the run's own tokenizer.json decides it
@@ -345,15 +349,24 @@ def resume(ckpt: dict | None, cfg: TrainConfig, model, optimizer, scheduler, ste
     if ckpt["steps_per_epoch"] != steps_per_epoch:
         raise UsageError(f"the dataset changed since the checkpoint ({steps_per_epoch} steps per epoch, "
                          f"was {ckpt['steps_per_epoch']})")
-    if ckpt.get("sharded"):  # train_fsdp.py's: every rank reads the shards it needs, resharding them
-        import sharded_checkpointing  # here: DCP takes 0.7 s to import, which DP and DDP never need
-        sharded_checkpointing.restore(ckpt, model, optimizer)
-        step = checkpointing.restore_run_state(ckpt, scheduler)
-    else:
-        step = checkpointing.restore(ckpt, model, optimizer, scheduler)
-    if not weights_finite(model):  # a run saves only finite weights: these were damaged since
-        raise UsageError(f"{ckpt['path']} holds weights that are not finite: the checkpoint is damaged; move it "
-                         "away to resume from the one before it")
+    if not ckpt.get("sharded") and (name := checkpointing.unusable_weight(ckpt["model"])):  # int: cast in silence
+        raise UsageError(f"{ckpt['path']}: {name} is not finite floating point (NaN, inf or integers): the "
+                         "checkpoint is damaged; move it away to resume from the one before it")
+    try:  # what the checks above cannot see (a weight's shape, a moment's, a generator state) torch refuses
+        if ckpt.get("sharded"):  # train_fsdp.py's: every rank reads the shards it needs, resharding them
+            import sharded_checkpointing  # here: DCP takes 0.7 s to import, which DP and DDP never need
+            sharded_checkpointing.restore(ckpt, model, optimizer)
+            step = checkpointing.restore_run_state(ckpt, scheduler)
+        else:
+            step = checkpointing.restore(ckpt, model, optimizer, scheduler)
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise UsageError(f"{ckpt['path']} cannot be restored ({first_line(e)}): the checkpoint is damaged; move it "
+                         "away to resume from the one before it") from None
+    lrs = [group["lr"] for group in optimizer.param_groups] + list(scheduler.base_lrs)
+    if not weights_finite(model, optimizer) or not all(isinstance(lr, float) and math.isfinite(lr) for lr in lrs):
+        # a run saves only finite weights, moments and rates: these were damaged since
+        raise UsageError(f"{ckpt['path']} holds weights or optimizer state that are not finite: the checkpoint is "
+                         "damaged; move it away to resume from the one before it")
     if is_rank0():
         print(f"resumed from {ckpt['path']} at step {step} (restart {restart_count()})")
     ckpt.clear()  # all of it is in the model, optimizer and scheduler now: let the loaded file go
@@ -389,13 +402,17 @@ def on_device(batch, device: torch.device) -> tuple:
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True), position_ids
 
 
-def weights_finite(model: torch.nn.Module) -> bool:
-    """Whether every weight is finite. One reduction and one host sync for all weights, not
-    one per parameter; under FSDP each rank checks its own shards (to_local) and the ranks
-    agree on the answer (so every rank must call it)."""
-    params = list(model.parameters())
-    sharded = any(hasattr(p, "to_local") for p in params)  # FSDP's DTensors
-    finite = torch.stack([torch.isfinite(p.to_local() if sharded else p).all() for p in params]).all()
+def weights_finite(model: torch.nn.Module, optimizer=None) -> bool:
+    """Whether every weight is finite (and, given the optimizer, every number of its state:
+    AdamW's moments). One reduction and one host sync for all, not one per tensor; under FSDP
+    each rank checks its own shards (to_local) and the ranks agree on the answer (so every
+    rank must call it)."""
+    tensors = list(model.parameters())
+    if optimizer is not None:
+        tensors += [t for state in optimizer.state.values() for t in state.values()
+                    if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    sharded = any(hasattr(t, "to_local") for t in tensors)  # FSDP's DTensors
+    finite = torch.stack([torch.isfinite(t.to_local() if hasattr(t, "to_local") else t).all() for t in tensors]).all()
     if sharded:
         finite = finite.to(torch.int32)
         torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)

@@ -637,19 +637,23 @@ def made_hostile(path, kind: str):
     path.unlink()
     if kind == "fifo":
         os.mkfifo(path)  # reading it would wait forever for a writer
+    elif kind == "folder":
+        path.mkdir()  # where the run writes its file, after training
     else:
         path.symlink_to("/dev/zero")  # reading it would never end
 
 
-@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
-@pytest.mark.parametrize("name, what", [("metrics.jsonl", "metrics file"), ("tokenizer.json", "tokenizer")])
-def test_a_run_file_that_is_a_fifo_or_a_device_is_one_line_not_a_hang(finished_run, corpus, tmp_path, capsys, name,
-                                                                      what, kind):
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "folder"])
+@pytest.mark.parametrize("name", ["metrics.jsonl", "tokenizer.json", "config.json", "checkpoint.pt"])
+def test_a_run_file_that_is_a_fifo_a_device_or_a_folder_is_one_line_not_a_hang(finished_run, corpus, tmp_path, capsys,
+                                                                               name, kind):
+    """Read, a FIFO would block and a device never end; written (config.json, checkpoint.pt), a
+    folder would fail the write after training: one line first, nothing touched."""
     out = tmp_path / "run"
     shutil.copytree(finished_run, out)
     made_hostile(out / name, kind)
     refused_in_process("train_dp.py", ["--dataset", str(corpus), *FAST, "--max-steps", "10", "--resume"], out,
-                       f"{what} {out / name} is not a regular file", capsys)
+                       f"{out / name} is not a regular file", capsys)
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
@@ -665,7 +669,7 @@ def test_tools_and_trackers_read_no_fifo_or_device(finished_run, tmp_path, capsy
     made_hostile(out / "wandb-run.txt", kind)
     sink = metrics.WandbSink.__new__(metrics.WandbSink)
     sink.state = out / "wandb-run.txt"
-    with pytest.raises(UsageError, match="does not hold a W&B run id and a step"):
+    with pytest.raises(UsageError, match="W&B run file .*wandb-run.txt is not a regular file"):  # said as what it is
         sink.read_state()
     data = tmp_path / "data.txt"
     data.write_text("x")

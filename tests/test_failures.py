@@ -505,17 +505,46 @@ def test_a_checkpoint_crafted_to_run_code_is_refused_and_runs_nothing(runs, tmp_
     assert marker.exists()  # without weights_only it runs its command
 
 
-def test_a_checkpoint_whose_weights_turned_non_finite_is_called_damaged_not_diverged(runs, tmp_path, capsys):
-    """Runs save only finite weights, so a checkpoint holding a NaN was damaged after it was
-    written: the resume says so, instead of training on to a "lower --lr" advice."""
+def _nan_moment(c):
+    next(iter(c["optimizer"]["state"].values()))["exp_avg"][0] = float("nan")
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda c: c["model"]["base_model.norm.weight"].__setitem__(0, float("nan")),
+     "base_model.norm.weight is not finite floating point (NaN, inf or integers): the checkpoint is damaged"),
+    (lambda c: c["model"].update({"lm_head.weight": c["model"]["lm_head.weight"].long()}),
+     "lm_head.weight is not finite floating point (NaN, inf or integers): the checkpoint is damaged"),
+    (_nan_moment, "holds weights or optimizer state that are not finite: the checkpoint is damaged"),
+    (lambda c: c["optimizer"]["param_groups"][0].update(lr=float("nan")),
+     "holds weights or optimizer state that are not finite: the checkpoint is damaged"),
+    (lambda c: c["model"].update({"base_model.norm.weight": torch.ones(7)}),
+     "cannot be restored (Error(s) in loading state_dict for LlamaForPretraining: size mismatch for "
+     "base_model.norm.weight"),
+    (lambda c: c.update(rng={"torch": torch.zeros(3, dtype=torch.uint8), "cuda": None}), "cannot be restored ("),
+    (lambda c: c.update(step=10**12), "is at step 1000000000000, past this run's last step (8)"),  # was a hang
+    (lambda c: c.update(step=-5), "is damaged: step -5"),
+    (lambda c: c.update(train_config=None), "is damaged: its train_config is not a dict"),
+    (lambda c: c.update(step="4"), "is damaged: its step is not a int"),
+], ids=["nan-weight", "integer-weight", "nan-moment", "nan-lr", "weight-shape", "rng", "huge-step", "negative-step",
+        "train-config", "step-string"])
+def test_a_damaged_checkpoint_is_one_line_naming_it_and_nothing_is_written(runs, tmp_path, capsys, damage, says):
+    """Runs save only what they can resume from: a checkpoint that holds anything else was
+    damaged after it was written. Every copy damaged alike (else the run falls back to the
+    older one), the resume says so in one line, writes nothing, and never trains on to a
+    "lower --lr" advice, a traceback, or (a step of 10**12) a count of tokens that never ends."""
+    from test_bad_inputs import snapshot
     out = stopped_at_step_4(runs, tmp_path)
-    ckpt = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)
-    ckpt["model"]["base_model.norm.weight"][0] = float("nan")
-    torch.save(ckpt, out / "checkpoint.pt")
+    for path in (out / "checkpoint.pt", out / "checkpoint-00000004.pt"):
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        damage(ckpt)
+        path.unlink()
+        torch.save(ckpt, path)
+    before = snapshot(out)
     capsys.readouterr()
     assert script_in_process("train_dp.py", train_args(runs, out, "--resume")) == 2
-    assert capsys.readouterr().err == (f"error: {out}/checkpoint.pt holds weights that are not finite: the checkpoint "
-                                       "is damaged; move it away to resume from the one before it\n")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {out}/checkpoint") and says in err[0], err
+    assert snapshot(out) == before
 
 
 SIGNAL_DURING_A_FORK = """

@@ -4,6 +4,7 @@ checked with the tool's own reader, resumed runs included."""
 
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -249,6 +250,25 @@ def test_a_wandb_run_file_claiming_steps_metrics_jsonl_never_logged_is_one_line(
         metrics.WandbSink(out, tracker_config(tmp_path, "--wandb", "p"), logged=8)
 
 
+@pytest.mark.parametrize("fallback", ["offline", "disabled"])
+def test_wandb_asked_online_that_falls_back_at_its_login_prompt_is_one_line_not_a_silent_change(tmp_path, monkeypatch,
+                                                                                                fallback):
+    """At a terminal with no login, W&B's own prompt lets the user choose "don't visualize"
+    (it goes offline) or times out (it disables itself): --wandb P would then log nowhere
+    anyone looks. The run asked for online W&B; it stops and says so."""
+    import types
+    wandb = pytest.importorskip("wandb")
+    finished = []
+    run = types.SimpleNamespace(offline=fallback == "offline", disabled=fallback == "disabled",
+                                finish=lambda: finished.append(1))
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: run)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(metrics.UsageError, match=f"W&B did not log in, and would have run {fallback} instead"):
+        metrics.WandbSink(tmp_path / "out", tracker_config(tmp_path, "--wandb", "p"), logged=0)
+    assert finished == [1] and list((tmp_path / "out").iterdir()) == []
+
+
 def test_wandb_that_cannot_start_leaves_no_tensorboard_file_behind(tmp_path, monkeypatch):
     """--tensorboard --wandb P without a W&B login: the one line comes before TensorBoard has
     written anything, so the corrected command is not refused as a run already begun."""
@@ -286,6 +306,33 @@ def test_tensorboard_that_cannot_write_after_wandb_started_leaves_no_run_file_be
     import checkpointing
     assert not checkpointing.resuming(str(tmp_path / "out"), resume=False)  # the rerun starts: nothing refuses it
     assert not (tmp_path / "out" / "wandb-run.txt").exists()
+
+
+def test_a_tensorboard_folder_that_cannot_be_written_is_found_before_tensorboards_writer_starts(tmp_path,
+                                                                                               monkeypatch):
+    """OUT/tensorboard a link to a folder no one may write in (here /sys/kernel): our own
+    file fails first, in one line; TensorBoard's writer, whose thread would add a traceback
+    after that line, is never started."""
+    pytest.importorskip("tensorboard")
+    import torch.utils.tensorboard
+    if not os.path.isdir("/sys/kernel") or os.access("/sys/kernel", os.W_OK) and _writable("/sys/kernel"):
+        pytest.skip("needs a folder nobody can write in: /sys/kernel is not one here")
+    started = []
+    real = torch.utils.tensorboard.SummaryWriter
+    monkeypatch.setattr(torch.utils.tensorboard, "SummaryWriter", lambda *a, **k: started.append(1) or real(*a, **k))
+    (tmp_path / "tensorboard").symlink_to("/sys/kernel")
+    with pytest.raises(metrics.UsageError, match="--tensorboard: cannot write .*tensorboard: "):
+        metrics.TensorBoardSink(tmp_path, tracker_config(tmp_path, "--tensorboard"), kept=[])
+    assert started == []
+
+
+def _writable(folder: str) -> bool:
+    import tempfile
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+        return True
+    except OSError:
+        return False
 
 
 def test_tensorboard_that_cannot_write_is_one_line(tmp_path, monkeypatch):

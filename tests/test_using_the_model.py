@@ -162,6 +162,73 @@ def test_generate_refuses_bad_input(trained, tmp_path, argv, message):
         generate.main([fill.get(a, a) for a in argv])
 
 
+def _config(out, **changes):
+    config = out / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), **changes}))
+
+
+def _weights(out, change):
+    state = torch.load(out / "model.pt", weights_only=True)
+    change(state)
+    torch.save(state, out / "model.pt")
+
+
+def _fifo(path):
+    import os
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _another_tokenizer(out):
+    import data
+    import datasets
+    texts = datasets.Dataset.from_dict({"text": [f"document {i}: the quick brown fox, {i * 7} lazy dogs" for i in range(500)]})
+    data.train_tokenizer(texts, 400).save(str(out / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda out: _config(out, rope_theta=0), "rope_theta must be a positive number, got 0"),
+    (lambda out: _config(out, rms_norm_eps="x"), "rms_norm_eps must be a positive number, got x"),
+    (lambda out: _config(out, max_position_embeddings=10**12), "max_position_embeddings must be a positive integer "
+                                                                "below 2**31, got 1000000000000"),
+    (lambda out: _config(out, vocab_size=10**400), "vocab_size must be a positive integer below 2**31, got 1000000"),
+    (lambda out: (out / "config.json").write_text("[" * 100_000), "cannot read"),  # nested past the parser
+    (_another_tokenizer, "has 400 tokens, and the model 300 (config.json): the tokenizer of another run?"),
+    (lambda out: _weights(out, lambda s: s.update({"lm_head.weight": s["lm_head.weight"].long()})),
+     "are not finite floating point (lm_head.weight)"),
+    (lambda out: _weights(out, lambda s: s.update({"lm_head.weight": s["lm_head.weight"].to_sparse()})),
+     "are not finite floating point (lm_head.weight)"),
+    (lambda out: _fifo(out / "model.pt"), "model.pt is not a regular file"),  # not passed over for a checkpoint
+], ids=["rope-theta-0", "eps-text", "positions-10^12", "vocab-10^400", "nested", "tokenizer-400", "integers",
+        "sparse", "model-fifo"])
+def test_generate_and_export_refuse_a_damaged_output_folder_in_one_line(trained, tmp_path, damage, message):
+    """Every file of an output folder may be damaged or replaced: what generate.py and
+    export_hf.py read is checked, in one line, never a traceback, an allocation of terabytes,
+    a silent cast of integer weights, nor text sampled through another run's tokenizer."""
+    out = shutil.copytree(trained, tmp_path / "run")
+    damage(out)
+    with pytest.raises(UsageError, match=re.escape(message)):
+        generate.main([str(out), "--max-new-tokens", "2"])
+    with pytest.raises(UsageError, match=re.escape(message)):
+        export_hf.export(str(out), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
+
+
+def test_an_export_never_deletes_what_it_did_not_write(trained, tmp_path):
+    """The export is written as .NAME.partial and renamed: one left by an interrupted export is
+    replaced. Anything else under that name is the user's: one line, and it stays."""
+    mine = tmp_path / ".hf.partial"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's own file")
+    with pytest.raises(UsageError, match=re.escape(f"{mine} is in the way, and is not an unfinished export")):
+        export_hf.export(str(trained), str(tmp_path / "hf"))
+    assert (mine / "notes.txt").read_text() == "the user's own file"
+    (mine / "notes.txt").unlink()
+    (mine / "config.json").write_text("{}")  # what an interrupted export leaves
+    export_hf.export(str(trained), str(tmp_path / "hf"))
+    assert not mine.exists() and (tmp_path / "hf" / "model.safetensors").is_file()
+
+
 def config_asking_for(out: Path, **changes):
     config = out / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), **changes}))
@@ -410,10 +477,23 @@ def test_weights_that_are_not_finite_give_one_line_not_a_traceback_or_empty_text
     assert not (tmp_path / "hf").exists()
 
 
-def test_a_plot_that_cannot_be_written_is_one_line(trained, tmp_path, capsys):
+@pytest.mark.parametrize("make", [lambda p: p.mkdir(), lambda p: __import__("os").mkfifo(p)], ids=["folder", "fifo"])
+def test_a_plot_that_cannot_be_written_is_one_line(trained, tmp_path, capsys, make):
+    """A folder where the image would go, or a FIFO (whose write would block forever)."""
     pytest.importorskip("matplotlib")
-    (tmp_path / "taken.png").mkdir()  # a folder where the image would go: no write succeeds, root's neither
-    assert script_in_process("plot_metrics.py", [str(trained), "-o", str(tmp_path / "taken.png")]) == 2
+    make(tmp_path / "taken.svg")
+    assert script_in_process("plot_metrics.py", [str(trained), "-o", str(tmp_path / "taken.svg")]) == 2
     printed = capsys.readouterr()
-    assert printed.err.startswith(f"error: --output {tmp_path / 'taken.png'}: cannot write it: ") and \
-        len(printed.err.splitlines()) == 1
+    assert printed.err == f"error: --output {tmp_path / 'taken.svg'} exists and is not a file: choose another name\n"
+
+
+def test_a_metrics_row_holding_what_no_run_logs_is_one_line(trained, tmp_path, capsys):
+    """Every value a run logs is a number: a row holding {"a": 1}, a list or an integer past
+    what a float holds is damage, named by its line (plot_metrics.py drew a traceback)."""
+    pytest.importorskip("matplotlib")
+    out = shutil.copytree(trained, tmp_path / "run")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 9, "loss": {"a": 1}}) + "\n" + json.dumps({"step": 10, "loss": 1.0}) + "\n")
+    assert script_in_process("plot_metrics.py", [str(out), "-o", str(tmp_path / "p.png")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {out / 'metrics.jsonl'}, line ")
+    assert not (tmp_path / "p.png").exists()
