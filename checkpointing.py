@@ -506,8 +506,8 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
         sharded_checkpointing.load_model(Path(ckpt["path"]), model)
     else:
         if name := unusable_weight(state):  # integers or NaN: load_state_dict would cast them in silence
-            raise UsageError(f"the weights in {out} are not finite floating point ({name}): nothing to sample or "
-                             "export from them")
+            raise UsageError(f"the weights in {out} are not finite ({name} holds NaN, inf or integers): nothing to "
+                             "sample or export from them")
         try:
             model.load_state_dict(state)
         except (RuntimeError, AttributeError) as e:

@@ -300,7 +300,7 @@ class Crash(Exception):
 
 def state_at(step):
     return {"step": step, "model": {"w": torch.full((1000,), float(step))}, "optimizer": {}, "scheduler": {},
-            "model_config": {}, "train_config": {}}
+            "model_config": {}, "train_config": {}, "rng": {}, "steps_per_epoch": 10}
 
 
 def test_a_crash_at_any_moment_of_saving_leaves_a_complete_checkpoint_pt(tmp_path, monkeypatch):

@@ -146,7 +146,7 @@ def test_an_unfinished_run_samples_from_its_newest_checkpoint_and_says_so(traine
     (["{out}", "--seed", "-1"], "--seed must be within 0 and 2^63 - 1, got -1"),
     (["{out}", "--temperature", "1e-45"], "--temperature must be 0 (greedy) or at least 0.001, got 1e-45"),
     (["{out}", "--prompt", "caf\udce9"], "--prompt is not valid UTF-8 text"),  # the byte 0xe9, as argv holds it
-    (["{bad_config}"], "config.json: vocab_size must be a positive integer, got -1"),
+    (["{bad_config}"], "config.json: vocab_size must be a positive integer below 2**31, got -1"),
 ])
 def test_generate_refuses_bad_input(trained, tmp_path, argv, message):
     no_weights = tmp_path / "no_weights"
@@ -195,9 +195,9 @@ def _another_tokenizer(out):
     (lambda out: (out / "config.json").write_text("[" * 100_000), "cannot read"),  # nested past the parser
     (_another_tokenizer, "has 400 tokens, and the model 300 (config.json): the tokenizer of another run?"),
     (lambda out: _weights(out, lambda s: s.update({"lm_head.weight": s["lm_head.weight"].long()})),
-     "are not finite floating point (lm_head.weight)"),
+     "are not finite (lm_head.weight holds NaN, inf or integers)"),
     (lambda out: _weights(out, lambda s: s.update({"lm_head.weight": s["lm_head.weight"].to_sparse()})),
-     "are not finite floating point (lm_head.weight)"),
+     "are not finite (lm_head.weight holds NaN, inf or integers)"),
     (lambda out: _fifo(out / "model.pt"), "model.pt is not a regular file"),  # not passed over for a checkpoint
 ], ids=["rope-theta-0", "eps-text", "positions-10^12", "vocab-10^400", "nested", "tokenizer-400", "integers",
         "sparse", "model-fifo"])
@@ -236,17 +236,17 @@ def config_asking_for(out: Path, **changes):
 
 @pytest.mark.parametrize("weights", ["model.pt", "checkpoint.pt"])
 def test_a_config_that_does_not_fit_the_weights_is_refused_before_the_model_is_allocated(trained, tmp_path, weights):
-    """config.json asking for a vocabulary of 10^12 (4 PB of embedding) next to the weights of
+    """config.json asking for a vocabulary of 2^30 (1 TiB of embedding) next to the weights of
     a 300-token model: the shapes are compared on the meta device, and the line says which
     weight differs, instead of an allocation that fails (or, at 3 million tokens, one of 6 GB
     that succeeds, only to be refused later)."""
     out = shutil.copytree(trained, tmp_path / "run")
     if weights == "checkpoint.pt":  # an unfinished run: its newest checkpoint
         (out / "model.pt").unlink()
-    config_asking_for(out, vocab_size=10**12)
+    config_asking_for(out, vocab_size=2**30)
     with pytest.raises(UsageError, match=re.escape(
             f"the weights in {out} do not fit its config.json: base_model.embed_tokens.weight is (300, 256) in "
-            "the weights, (1,000,000,000,000, 256) by config.json")):
+            "the weights, (1,073,741,824, 256) by config.json")):
         generate.main([str(out)])
 
 
@@ -472,8 +472,8 @@ def test_weights_that_are_not_finite_give_one_line_not_a_traceback_or_empty_text
                          ("export_hf.py", [str(out), str(tmp_path / "hf")])]:
         assert script_in_process(script, args) == 2, script
         printed = capsys.readouterr()
-        assert printed.err == (f"error: the weights in {out} are not finite (base_model.norm.weight holds NaN or "
-                               "inf): nothing to sample or export from them\n"), printed
+        assert printed.err == (f"error: the weights in {out} are not finite (base_model.norm.weight holds NaN, inf "
+                               "or integers): nothing to sample or export from them\n"), printed
     assert not (tmp_path / "hf").exists()
 
 
