@@ -113,10 +113,11 @@ def timed_round(step, batches, device):
 
 
 def attention_seconds(model: str, dtype, position_ids, repeats: int = 5) -> dict:
-    """Seconds of one attention forward and backward on random q, k, v of the model's heads,
-    with the packed rows' real position_ids: padded rows' is_causal kernel, packed rows' path
-    (packed_attention.attention: flex on CUDA, query blocks on a CPU), and the plain
-    formulation it replaces (one call under the whole mask). The median of `repeats`."""
+    """Seconds of one layer's attention forward and backward on random q, k, v of the model's
+    heads, with the packed rows' real position_ids: padded rows' is_causal kernel, packed rows'
+    path (packed_attention.attention: flex on CUDA, query blocks on a CPU), and the plain
+    formulation it replaces (one call under the whole mask); and of making the packed rows'
+    mask, which the model does once a forward for all its layers. The median of `repeats`."""
     import torch
     import torch.nn.functional as F
     import packed_attention
@@ -127,25 +128,31 @@ def attention_seconds(model: str, dtype, position_ids, repeats: int = 5) -> dict
     D = shape["hidden_size"] // H
     device = position_ids.device
     q, k, v = (torch.randn(B, n, T, D, device=device, dtype=dtype, requires_grad=True) for n in (H, K, K))
+    mask = packed_attention.window_mask(position_ids, dtype)  # a BlockMask on CUDA, a tensor on a CPU
     dense = packed_attention.window_mask(position_ids.cpu(), dtype).to(device)  # a tensor on every device
     paths = {"is_causal (padded)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-             "packed_attention (packed)": lambda: packed_attention.attention(
-                 q, k, v, packed_attention.window_mask(position_ids, dtype)),
+             "packed_attention (packed)": lambda: packed_attention.attention(q, k, v, mask),
              "one call under the mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense,
                                                                                enable_gqa=True)}
-    seconds = {}
-    for name, attend in paths.items():
-        times = []
-        for _ in range(repeats + 1):  # the first untimed (compiles flex on CUDA)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            attend().sum().backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        seconds[name] = statistics.median(times[1:])
+    seconds = {name: median_seconds(lambda: attend().sum().backward(), device, repeats) for name, attend in paths.items()}
+    seconds["making the packed mask"] = median_seconds(lambda: packed_attention.window_mask(position_ids, dtype),
+                                                       device, repeats)
     return seconds
+
+
+def median_seconds(work, device, repeats: int) -> float:
+    """The median seconds of work() over `repeats` calls, after one untimed (it compiles flex on CUDA)."""
+    import torch
+    times = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        work()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def main():
@@ -209,7 +216,8 @@ def main():
               f"{packed['tokens_per_s'] / padded['tokens_per_s']:.2f}x (over an epoch's padding: "
               f"{epoch[1] / epoch[0]:.2f}x)")
         attention = attention_seconds(args.model, dtype, packed["batches"][0][2])
-        print(f"  attention alone, forward and backward ({args.batch_size} rows, the model's heads): "
+        print(f"  attention alone, a layer's forward and backward ({args.batch_size} rows, the model's heads), and the "
+              f"packed mask (once a forward): "
               + ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in attention.items()))
         peak = metrics.peak_tflops(device, dtype)
         if peak:  # a GPU whose bf16 peak metrics knows; the trainers' count of FLOPs a token, in both

@@ -8,6 +8,8 @@ keys that no query of the block may see. Rows of one sequence each (no --pack)
 never come here: they keep is_causal, and its flash kernels.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -71,17 +73,22 @@ def attention_in_query_blocks(q, k, v, mask):
     return torch.cat([y.transpose(1, 2) for y in blocks], dim=1).transpose(1, 2)
 
 
-_compiled_flex_attention = None
-
-
 def flex_attention(q, k, v, block_mask):
     """Flex attention, compiled: eager, it would compute every score (torch's reference
-    implementation). Compiled, it is one fused kernel that skips the blocks the mask rules out."""
-    global _compiled_flex_attention
-    if _compiled_flex_attention is None:
-        from torch.nn.attention.flex_attention import flex_attention as flex
-        _compiled_flex_attention = torch.compile(flex, dynamic=False)
-    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    implementation). Compiled, it is one fused kernel that skips the blocks the mask rules out.
+    Inside a compiled model the model's compile takes it in; called eagerly, it is compiled alone."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+    if torch.compiler.is_compiling():
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+@functools.cache
+def _compiled_flex():
+    # Made on the first eager call, never while a model is being compiled: there torch.compile
+    # is a no-op, and the plain (unfused) flex it returned was kept for every eager call after.
+    from torch.nn.attention.flex_attention import flex_attention as flex
+    return torch.compile(flex, dynamic=False)
 
 
 def attention(q, k, v, mask):

@@ -17,7 +17,7 @@ import packed_attention
 import training
 from metrics import peak_tflops
 from conftest import FAST, FLOOR_MULTIPLE, assert_within, load_weights, max_weight_diff, metrics, run_script
-from model import LlamaConfig, LlamaForPretraining
+from model import LlamaConfig, LlamaForPretraining, LlamaLMHead, compute_dtype
 from test_packing import (attended, attention_inputs, both_layouts, in_one_call, padded_reference,
                           packed_in_padded_order, relative_distance, small_model, with_flex)
 
@@ -95,10 +95,12 @@ def test_dataparallel_replicas_compute_in_bf16(small_config):
     model = LlamaForPretraining(small_config).cuda()
     model.compute_dtype = torch.bfloat16
     replicas = [model, copy.deepcopy(model)]
-    dtypes = set()
+    dtypes = set()  # what each matmul computes in
     for replica in replicas:
         for m in replica.modules():
-            if isinstance(m, torch.nn.Linear):
+            if isinstance(m, LlamaLMHead):  # returns the fp32 loss: the dtype of its logits' matmuls
+                m.register_forward_pre_hook(lambda m, args: dtypes.add(compute_dtype(args[0])))
+            elif isinstance(m, torch.nn.Linear):
                 m.register_forward_hook(lambda m, args, out: dtypes.add(out.dtype))
     x = torch.randint(0, 128, (2, 64), device="cuda")
     for outer in (False, True):  # with or without an autocast around DataParallel
