@@ -382,12 +382,41 @@ class CheckpointWriter:
             raise error
 
 
+# config.json's one key beside the model's sizes: the fingerprint of the tokenizer.json the
+# model's ids belong to (another run's tokenizer of the same size would pass every other check)
+TOKENIZER_FINGERPRINT = "tokenizer_fingerprint"
+
+
 def write_run_files(out_dir: str, tokenizer: Tokenizer, model: LlamaForPretraining):
     """tokenizer.json and config.json: what it takes to use model.pt later."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_save(tokenizer.to_str(), out / TOKENIZER)
-    atomic_save(json.dumps(dataclasses.asdict(model.config), indent=2), out / CONFIG)
+    config = {**dataclasses.asdict(model.config), TOKENIZER_FINGERPRINT: data.tokenizer_fingerprint(tokenizer)}
+    atomic_save(json.dumps(config, indent=2), out / CONFIG)
+
+
+def read_config(out: Path) -> tuple[LlamaConfig, str | None]:
+    """An output folder's config.json: the model's config and its tokenizer's fingerprint
+    (None in a folder written before config.json recorded it)."""
+    text = corpus.read_text(out / CONFIG, "model config", 2**20)
+    try:
+        fields = json.loads(text)
+        fingerprint = fields.pop(TOKENIZER_FINGERPRINT, None) if isinstance(fields, dict) else None
+        return LlamaConfig(**fields), fingerprint
+    except (ValueError, TypeError, RecursionError) as e:  # (RecursionError: "[[[[..." nested past the parser)
+        raise UsageError(f"cannot read {out / CONFIG}: {first_line(e)}") from None
+
+
+def check_tokenizer(out: Path, tokenizer: Tokenizer, fingerprint: str | None = None):
+    """That out/tokenizer.json is the one the run's model was trained with (config.json's
+    fingerprint, read here unless given): another run's, or an edited one, gives the same text
+    other ids, and the model would sample or train on them in silence."""
+    if fingerprint is None and (out / CONFIG).is_file():
+        fingerprint = read_config(out)[1]
+    if fingerprint is not None and fingerprint != data.tokenizer_fingerprint(tokenizer):
+        raise UsageError(f"{out / TOKENIZER} is not the tokenizer its run was trained with (its fingerprint "
+                         f"differs from the one in {CONFIG}): the tokenizer of another run, or an edited one?")
 
 
 def shapes_of(state) -> dict:
@@ -473,11 +502,7 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
     out = Path(out_dir)
     if not os.path.lexists(out / CONFIG):  # something there is read as a config.json must be (corpus.read_text)
         raise UsageError(f"{out} is not the output folder of a training run (no {CONFIG})")
-    text = corpus.read_text(out / CONFIG, "model config", 2**20)
-    try:
-        config = LlamaConfig(**json.loads(text))
-    except (ValueError, TypeError, RecursionError) as e:  # (RecursionError: "[[[[..." nested past the parser)
-        raise UsageError(f"cannot read {out / CONFIG}: {first_line(e)}") from None
+    config, fingerprint = read_config(out)
     expected = model_shapes(config)
     ckpt = None
     if os.path.lexists(out / MODEL):  # whatever is there: a FIFO or a folder is refused, not passed over
@@ -519,4 +544,5 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
     if tokenizer.get_vocab_size() != config.vocab_size:  # another run's: its ids would index other rows
         raise UsageError(f"{out / TOKENIZER} has {tokenizer.get_vocab_size():,} tokens, and the model "
                          f"{config.vocab_size:,} ({CONFIG}): the tokenizer of another run?")
+    check_tokenizer(out, tokenizer, fingerprint)
     return model.eval(), tokenizer

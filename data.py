@@ -13,6 +13,7 @@ positions, so that a row is mostly tokens rather than padding.
 
 import contextlib
 import functools
+import hashlib
 import itertools
 import json
 import os
@@ -98,6 +99,12 @@ def load_tokenizer(path: str) -> Tokenizer:
         raise UsageError(f"tokenizer {path} is a {model['type']} tokenizer without its unknown token "
                          f"({unknown!r} is not in its vocabulary): it cannot encode words it has not seen")
     return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """A hash of the whole tokenizer (vocabulary, merges, special tokens and their ids): two
+    tokenizers of one size can still give a text other ids."""
+    return hashlib.blake2b(tokenizer.to_str().encode(), digest_size=16).hexdigest()
 
 
 def clip_is_exact(tokenizer: Tokenizer) -> bool:

@@ -457,6 +457,32 @@ def test_resuming_with_another_tokenizer_is_refused(runs, tmp_path, capsys):
                        f"--tokenizer {tmp_path / 'other.json'} differs from the run's tokenizer.json", capsys)
 
 
+def swap_special_token_ids(path):
+    """tokenizer.json edited in place: two special tokens trade ids. The same size, the same
+    tokens: every check but the fingerprint passes it."""
+    import data
+    spec = json.loads(path.read_text())
+    first, second = (next(t for t in spec["added_tokens"] if t["content"] == name) for name in data.SPECIAL_TOKENS[:2])
+    first["id"], second["id"] = second["id"], first["id"]
+    vocab = spec["model"]["vocab"]
+    vocab[first["content"]], vocab[second["content"]] = first["id"], second["id"]
+    path.write_text(json.dumps(spec))
+
+
+def test_resuming_with_the_runs_tokenizer_edited_is_refused(runs, tmp_path, capsys):
+    """The run's own tokenizer.json, its special tokens' ids swapped: resumed, the model would
+    go on training on other ids for the same text. config.json's fingerprint refuses it."""
+    import data
+    out = runs.copy(runs("dp", "train_dp.py"), tmp_path / "run")
+    before = data.load_tokenizer(out / "tokenizer.json")
+    swap_special_token_ids(out / "tokenizer.json")
+    edited = data.load_tokenizer(out / "tokenizer.json")
+    assert edited.get_vocab_size() == before.get_vocab_size()
+    assert edited.token_to_id(data.SPECIAL_TOKENS[0]) == before.token_to_id(data.SPECIAL_TOKENS[1])
+    refused_in_process("train_dp.py", ["--dataset", str(runs.corpus), *FAST_WITH_TOKENIZER, "--resume"], out,
+                       f"{out / 'tokenizer.json'} is not the tokenizer its run was trained with", capsys)
+
+
 def test_val_docs_is_compared_as_the_documents_it_holds_out(runs, tmp_path, capsys):
     """Without --val-docs a run holds out 1% of the corpus (240 documents: 2). Its checkpoint
     records 2, so a resume that says --val-docs 2 resumes it, and --val-docs 3 is refused. A
@@ -550,6 +576,16 @@ def test_init_from_a_folder_without_weights_is_refused(corpus, tmp_path, capsys)
     (tmp_path / "empty").mkdir()
     refused_in_process("train_dp.py", ["--dataset", str(corpus), *fast, "--init-from", str(tmp_path / "empty")],
                        tmp_path / "new", "not an output folder, a .pt file of one, or a train_fsdp.py", capsys)
+
+
+def test_init_from_a_folder_whose_tokenizer_was_edited_is_refused(finished_run, corpus, tmp_path, capsys):
+    """Its weights learned other ids for the same text: the new run would start from a model
+    that reads its data wrong."""
+    source = shutil.copytree(finished_run, tmp_path / "source")
+    swap_special_token_ids(source / "tokenizer.json")
+    fast = [a for a in FAST if a not in ("--vocab-size", "300")]
+    refused_in_process("train_dp.py", ["--dataset", str(corpus), *fast, "--init-from", str(source)], tmp_path / "new",
+                       f"{source / 'tokenizer.json'} is not the tokenizer its run was trained with", capsys)
 
 
 def test_init_from_is_ignored_with_a_warning_when_a_job_resumes(finished_run, corpus, capsys):

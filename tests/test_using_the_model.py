@@ -17,15 +17,26 @@ import generate
 import metrics
 import plot_metrics
 import training
-from conftest import FAST, run_in_process, script_in_process
+from conftest import FAST, REPO, run_in_process, script_in_process
 from data import BOT, EOT, PAD, text_only
 from errors import UsageError
 from model import LlamaConfig, LlamaForPretraining
+from test_bad_inputs import swap_special_token_ids
 
 
 @pytest.fixture(scope="module")
 def trained(runs):
     return runs("dp", "train_dp.py")
+
+
+def test_the_output_folder_loads_as_its_documentation_shows(trained):
+    """docs/output-folder.md's snippet, run on a real output folder: config.json and model.pt
+    make the model without this project's loaders, and it gives logits."""
+    doc = (REPO / "docs" / "output-folder.md").read_text()
+    snippet = next(block for block in re.findall(r"```python\n(.*?)```", doc, re.S) if "out/config.json" in block)
+    scope = {}
+    exec(snippet.replace('"out/', f'"{trained}/'), scope)
+    assert scope["logits"].shape == (1, 3, scope["config"].vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -194,12 +205,13 @@ def _another_tokenizer(out):
     (lambda out: _config(out, vocab_size=10**400), "vocab_size must be a positive integer below 2**31, got 1000000"),
     (lambda out: (out / "config.json").write_text("[" * 100_000), "cannot read"),  # nested past the parser
     (_another_tokenizer, "has 400 tokens, and the model 300 (config.json): the tokenizer of another run?"),
+    (lambda out: swap_special_token_ids(out / "tokenizer.json"), "is not the tokenizer its run was trained with"),
     (lambda out: _weights(out, lambda s: s.update({"lm_head.weight": s["lm_head.weight"].long()})),
      "are not finite (lm_head.weight holds NaN, inf or integers)"),
     (lambda out: _weights(out, lambda s: s.update({"lm_head.weight": s["lm_head.weight"].to_sparse()})),
      "are not finite (lm_head.weight holds NaN, inf or integers)"),
     (lambda out: _fifo(out / "model.pt"), "model.pt is not a regular file"),  # not passed over for a checkpoint
-], ids=["rope-theta-0", "eps-text", "positions-10^12", "vocab-10^400", "nested", "tokenizer-400", "integers",
+], ids=["rope-theta-0", "eps-text", "positions-10^12", "vocab-10^400", "nested", "tokenizer-400", "tokenizer-edited", "integers",
         "sparse", "model-fifo"])
 def test_generate_and_export_refuse_a_damaged_output_folder_in_one_line(trained, tmp_path, damage, message):
     """Every file of an output folder may be damaged or replaced: what generate.py and
