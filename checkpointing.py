@@ -408,15 +408,25 @@ def read_config(out: Path) -> tuple[LlamaConfig, str | None]:
         raise UsageError(f"cannot read {out / CONFIG}: {first_line(e)}") from None
 
 
-def check_tokenizer(out: Path, tokenizer: Tokenizer, fingerprint: str | None = None):
+def recorded_fingerprint(out: Path) -> str | None:
+    """config.json's tokenizer fingerprint alone, for a run about to rewrite config.json: a
+    folder from before the fingerprint, or a config.json unreadable, has none to check."""
+    try:
+        fields = json.loads(corpus.read_text(out / CONFIG, "model config", 2**20))
+    except (UsageError, ValueError, RecursionError):
+        return None
+    fingerprint = fields.get(TOKENIZER_FINGERPRINT) if isinstance(fields, dict) else None
+    return fingerprint if isinstance(fingerprint, str) else None
+
+
+def check_tokenizer(out: Path, tokenizer: Tokenizer, fingerprint: str | None):
     """That out/tokenizer.json is the one the run's model was trained with (config.json's
-    fingerprint, read here unless given): another run's, or an edited one, gives the same text
-    other ids, and the model would sample or train on them in silence."""
-    if fingerprint is None and (out / CONFIG).is_file():
-        fingerprint = read_config(out)[1]
+    fingerprint): another run's, or an edited one, gives the same text other ids, and the model
+    would sample or train on them in silence. No fingerprint (an older folder): not checked."""
     if fingerprint is not None and fingerprint != data.tokenizer_fingerprint(tokenizer):
         raise UsageError(f"{out / TOKENIZER} is not the tokenizer its run was trained with (its fingerprint "
-                         f"differs from the one in {CONFIG}): the tokenizer of another run, or an edited one?")
+                         f"differs from the one in {CONFIG}): the tokenizer of another run, or an edited one? "
+                         f"(To use it anyway, remove {TOKENIZER_FINGERPRINT} from {CONFIG}.)")
 
 
 def shapes_of(state) -> dict:

@@ -142,7 +142,8 @@ def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConf
         cfg.init_from = None
     if cfg.init_from:
         out, weights = checkpointing.init_source(cfg.init_from)
-        checkpointing.check_tokenizer(out, data.load_tokenizer(out / checkpointing.TOKENIZER))  # theirs, unedited
+        checkpointing.check_tokenizer(out, data.load_tokenizer(out / checkpointing.TOKENIZER),  # theirs, unedited
+                                      checkpointing.recorded_fingerprint(out))
         if cfg.tokenizer:
             raise UsageError("--init-from brings its own tokenizer (the tokenizer.json beside its weights): leave "
                              "--tokenizer out")

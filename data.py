@@ -102,9 +102,12 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
-    """A hash of the whole tokenizer (vocabulary, merges, special tokens and their ids): two
-    tokenizers of one size can still give a text other ids."""
-    return hashlib.blake2b(tokenizer.to_str().encode(), digest_size=16).hexdigest()
+    """A hash of which token each id stands for, special tokens included: two tokenizers of one
+    size can still give a text other ids. (Of the vocabulary, not of tokenizer.json's text,
+    whose layout changes between versions of `tokenizers` for the same tokenizer.)"""
+    vocab = sorted(tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
+    special = sorted(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
+    return hashlib.blake2b(json.dumps([vocab, special]).encode(), digest_size=16).hexdigest()
 
 
 def clip_is_exact(tokenizer: Tokenizer) -> bool:

@@ -281,8 +281,8 @@ class LlamaLMHead(nn.Linear):
         if torch.compiler.is_compiling():
             # Compiled, the plain formulation: inductor fuses the loss so that only the
             # compute-dtype logits stay alive, and it is the faster one. On an H200 the
-            # compiled chunks ran at 0.84x its speed for 1.3-1.5 of its 3.2 GiB; on a CPU,
-            # 0.83x, with a fifth of the memory (docs/benchmarks.md).
+            # compiled chunks ran at 0.84x its speed, saving 0.6-1.5 GiB of its 3.2; on a
+            # CPU, 0.83x, with a fifth of the memory (docs/benchmarks.md).
             return F.cross_entropy(super().forward(h).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
         dtype = compute_dtype(h)
         chunk = self.chunk_tokens or chunked_loss.chunk_tokens(self.out_features, h.device)

@@ -113,8 +113,9 @@ def check_same_corpus(ckpt: dict, fingerprint: dict, dataset: str):
 def get_tokenizer(cfg: TrainConfig, train_text, resuming: bool) -> Tokenizer:
     """The run's own tokenizer on resume, else --tokenizer, else a BPE trained on train_text."""
     if resuming:
-        tokenizer = data.load_tokenizer(Path(cfg.out_dir) / TOKENIZER)
-        checkpointing.check_tokenizer(Path(cfg.out_dir), tokenizer)  # the one the checkpoint trained with
+        out = Path(cfg.out_dir)
+        tokenizer = data.load_tokenizer(out / TOKENIZER)
+        checkpointing.check_tokenizer(out, tokenizer, checkpointing.recorded_fingerprint(out))  # the run's own
         if cfg.tokenizer and data.load_tokenizer(cfg.tokenizer).to_str() != tokenizer.to_str():
             raise UsageError(f"--tokenizer {cfg.tokenizer} differs from the run's {TOKENIZER}")
         return tokenizer

@@ -226,6 +226,18 @@ def test_generate_and_export_refuse_a_damaged_output_folder_in_one_line(trained,
     assert not (tmp_path / "hf").exists()
 
 
+def test_a_folder_from_before_the_tokenizer_fingerprint_is_used_unchecked(trained, tmp_path):
+    """config.json without tokenizer_fingerprint (written by an earlier version): generate.py and
+    export_hf.py use it as before."""
+    out = shutil.copytree(trained, tmp_path / "run")
+    fields = json.loads((out / "config.json").read_text())
+    del fields["tokenizer_fingerprint"]
+    (out / "config.json").write_text(json.dumps(fields))
+    generate.main([str(out), "--max-new-tokens", "2"])
+    export_hf.export(str(out), str(tmp_path / "hf"))
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
 def test_an_export_never_deletes_what_it_did_not_write(trained, tmp_path):
     """The export is written as .NAME.partial and renamed: one left by an interrupted export is
     replaced. Anything else under that name is the user's: one line, and it stays."""
