@@ -7,6 +7,7 @@ the rest lives here.
 import datetime
 import inspect
 import json
+import math
 import os
 import re
 import signal
@@ -244,8 +245,8 @@ def job_store(timeout_minutes: float, wait_for_workers: bool = True):
     prefix per restart (or, under plain `python`, one for a world of one). Launched without
     torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand), rank 0 hosts it and,
     unless told not to, waits there for the others to connect."""
-    global _joining
-    _joining = True  # until side_groups: see exit_on_usage_error
+    global _joining, _store
+    _joining, _store = True, None  # until side_groups: see exit_on_usage_error
     timeout = datetime.timedelta(minutes=timeout_minutes)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if ("RANK" in os.environ or world_size > 1) and not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
@@ -271,7 +272,12 @@ def job_store(timeout_minutes: float, wait_for_workers: bool = True):
                         "cannot know; give every rank the same free port")
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(port), world_size, is_master=rank == 0 and not by_torchrun,
                           timeout=timeout, wait_for_workers=wait_for_workers, multi_tenant=True)
-    return dist.PrefixStore(f"attempt{restart_count()}/", store)
+    _store = dist.PrefixStore(f"attempt{restart_count()}/", store)
+    return _store
+
+
+_store = None  # the job's store, from job_store: InTurns waits on it (below)
+_prep_timeout = None  # seconds: --data-timeout-minutes, from side_groups
 
 
 def side_groups(backend: str, timeout_minutes: float, data_timeout_minutes: float):
@@ -280,7 +286,8 @@ def side_groups(backend: str, timeout_minutes: float, data_timeout_minutes: floa
     far longer than a training collective should ever take. `control` (NCCL only) carries the
     per-step stop flag, which under NCCL would need a GPU tensor whose read-back stalls the
     host; it waits as long as the training collectives do."""
-    global _joining
+    global _joining, _prep_timeout
+    _prep_timeout = data_timeout_minutes * 60
     # Every rank has joined first, within a training collective's timeout: making a group waits
     # for every rank as long as the group may wait (a day for `prep`), and a rank started with
     # another WORLD_SIZE, by hand, would never come.
@@ -301,6 +308,7 @@ class InTurns:
 
     def __init__(self, group, local_rank: int):
         self.group, self.local_rank = group, local_rank
+        self.waits = 0  # collectives so far: the same count on every rank
 
     def everywhere(self, fn):
         return self._in_turns(fn, first=True)
@@ -341,10 +349,30 @@ class InTurns:
         """Waiting longer than --data-timeout-minutes, or for a rank that died, ends this rank
         with one line instead of gloo's traceback."""
         try:
-            collective(*args, group=self.group)
+            self._all_arrived()
+            collective(*args, group=self.group)  # every rank is here: it does not wait
         except RuntimeError as e:
             raise RankError(f"rank {dist.get_rank()} stopped waiting for data preparation "
                             f"(--data-timeout-minutes): {first_line(e)}") from None
+
+    def _all_arrived(self):
+        """Returns once every rank has come to this collective. The wait for a turn to end may
+        last hours, and is made here, in Python, polling the job's store: inside gloo's wait a
+        signal to this rank alone (not to the whole job) would be handled only once the turn
+        ended. (A rank that dies is noticed by torchrun, which ends the others; started by
+        hand, by the store's host going away, or by --data-timeout-minutes.)"""
+        if _store is None:  # not launched through job_store: gloo's own wait
+            return
+        self.waits += 1
+        key, ranks = f"data-turns/{self.waits}", dist.get_world_size(self.group)
+        arrived, pause = _store.add(key, 1), 0.001
+        deadline = time.monotonic() + (_prep_timeout or math.inf)
+        while arrived < ranks:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{ranks - arrived} of {ranks} ranks did not arrive in time")
+            time.sleep(pause)  # a signal is handled here; short waits stay short, long ones poll twice a second
+            pause = min(2 * pause, 0.5)
+            arrived = _store.add(key, 0)
 
 
 class StopSignal:

@@ -18,6 +18,8 @@ first attempt only: after torchrun restarts the workers, the run goes on unharme
                       (train_fsdp.py: this rank's first write of its shards)
     slow-prepare      loading the corpus takes FAULT_SECONDS longer than it does (a cold cache:
                       a download, a tokenizer to train); FAULT_STEP is unused
+    sigterm-waiting   (with slow-prepare) every other rank gets SIGTERM, to itself alone, a second
+                      after it began to wait for FAULT_RANK's turn of data preparation
     slow-tokenizing   tokenizing (a corpus of 10,000 documents or more: one process per 5,000) runs in two processes
                       forked for it, whatever the cores, and takes ten minutes: each writes
                       $FAULT_LOG_DIR/tokenizing-<pid> and waits. FAULT_STEP is unused
@@ -117,6 +119,19 @@ if "slow-prepare" in faults and armed:
         return real_load_text(*args, **kwargs)
 
     patch(training, "load_text", slow_load_text)
+
+if "sigterm-waiting" in faults and not armed and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    import launcher
+
+    real_wait = launcher.InTurns._wait
+
+    def signalled_wait(self, *args):
+        if not getattr(signalled_wait, "armed", False):  # the first wait only
+            signalled_wait.armed = True
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        return real_wait(self, *args)
+
+    patch(launcher.InTurns, "_wait", signalled_wait)
 
 if "slow-tokenizing" in faults and armed:
     import data

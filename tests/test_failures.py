@@ -212,6 +212,24 @@ def test_data_preparation_may_outlast_the_training_timeout(runs, tmp_path):
     assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
 
 
+def test_a_signal_to_a_rank_waiting_for_another_ranks_data_turn_stops_it_at_once(runs, tmp_path):
+    """Rank 0 prepares the data for two minutes (a cold cache) while rank 1 waits its turn;
+    SIGTERM to rank 1 alone (a user's kill, not the job's) a second into that wait ends it
+    there, and torchrun ends the job. The wait is Python's: inside gloo's, the signal would
+    wait for rank 0's two minutes."""
+    out = tmp_path / "run"
+    env = {**fault_env(tmp_path, "slow-prepare,sigterm-waiting", step=0), "FAULT_SECONDS": "120"}
+    start = time.monotonic()
+    proc = run_script("train_ddp.py", train_args(runs, out), nproc=2, wrapper="tests/inject_fault.py", env=env,
+                      check=False, timeout=300)
+    took = time.monotonic() - start
+    assert exit_codes(tmp_path)["exit-rank1"] == str(128 + signal.SIGTERM), proc.stderr
+    assert took < 60, f"rank 1 waited for rank 0's turn: {took:.0f} s"  # rank 0's turn alone is 120 s
+    assert proc.returncode != 0 and not (out / "model.pt").exists()
+    for ours in ("train_ddp.py", "training.py", "launcher.py"):  # torchrun reports its failed child; we add none
+        assert f'File "{REPO / ours}"' not in proc.stderr
+
+
 def test_data_preparation_has_its_own_bound(runs, tmp_path):
     """...and --data-timeout-minutes does bound it: the rank that waits longer ends the job
     with one line saying so."""
