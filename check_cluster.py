@@ -113,28 +113,54 @@ class Meeting:
             timer.cancel()
 
     def share(self, step: str, value) -> list:
-        """Every rank's JSON value for step, on every rank. The store's own wait is the
-        deadline here: when it ends, this thread names who is missing (no timer to race it)."""
+        """Every rank's JSON value for step, on every rank. Waited for here, in polls of the
+        store, until the deadline (then this thread names who is missing: no timer to race it),
+        or until another rank has told the job what went wrong (end): started by hand with
+        another WORLD_SIZE, this rank waits for a rank that does not exist, and rank 0's line
+        says why; a second line, once rank 0 and its store are gone, would only guess."""
         keys = [f"check/{step}/{r}" for r in range(self.world_size)]
         try:
             self.mark(step, json.dumps(value))
-            self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
-            return [json.loads(self.store.get(key)) for key in keys]
-        except (dist.DistError, RuntimeError):  # a timeout, or a store that went away
-            raise Failed(self.stalled(step, "the store", None)) from None
+            deadline, pause = time.monotonic() + self.timeout, 0.001
+            while not self.store.check(keys):
+                if self.store.check([ENDED]):
+                    self.store.add(HEARD, 1)
+                    os._exit(2)
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(pause)
+                pause = min(2 * pause, 0.1)
+            else:
+                return [json.loads(self.store.get(key)) for key in keys]
+        except (dist.DistError, RuntimeError):  # a store that went away
+            pass
+        raise Failed(self.stalled(step, "the store", None))
+
+
+ENDED, HEARD = "check/ended", "check/heard"  # a rank has said what went wrong; how many ranks saw it
 
 
 def end(message: str, store=None):
     """Say it once for the whole job (the first rank to get here), and exit 2 at once: a
-    collective that never completed would hold up an orderly exit."""
+    collective that never completed would hold up an orderly exit. Rank 0 started by hand
+    hosts the store: it stays a moment (a second at most) for the ranks waiting in share() to
+    see that the job has ended, so that they end without a line of their own."""
     try:
-        first = store is None or store.add("check/ended", 1) == 1
+        first = store is None or store.add(ENDED, 1) == 1
     except (dist.DistError, RuntimeError):
         first = True  # no store to agree through: better twice than never
     if first:
         print(f"error: {message}", file=sys.stderr, flush=True)
         launcher.tell_torchrun(f"error: {message}")  # torchrun's report shows it, not a link to its docs
     sys.stdout.flush()
+    hosting = (store is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+               and os.environ.get("RANK", "0") == "0")
+    others, until = int(os.environ.get("WORLD_SIZE", 1)) - 1, time.monotonic() + 1
+    try:
+        while hosting and store.add(HEARD, 0) < others and time.monotonic() < until:
+            time.sleep(0.01)
+    except (dist.DistError, RuntimeError):
+        pass
     os._exit(2)
 
 

@@ -127,6 +127,26 @@ def test_by_hand_without_torchrun_a_missing_rank_is_named_and_an_unreachable_sto
     assert ended[1].startswith(f"error: rank 1 could not reach the job's store at 127.0.0.1:{port} in ")
 
 
+@pytest.mark.parametrize("sizes", [(2, 3), (3, 2)], ids=["rank-1-larger", "rank-0-larger"])
+def test_by_hand_two_processes_with_different_world_sizes_end_with_one_line_for_the_job(sizes):
+    """Started by hand (no torchrun to end the other process), one process finds the
+    difference and says it; the other, which waits for a rank that does not exist, sees
+    that the job has ended and ends without a line of its own ("the store does not answer",
+    once rank 0 had gone, was a guess)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(REPO / "check_cluster.py"), "--timeout-seconds", "20"], cwd=REPO,
+                              env=launch_env({"LOCAL_RANK": "0", "RANK": str(rank), "WORLD_SIZE": str(size),
+                                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank, size in enumerate(sizes)]
+    ended = [proc.communicate(timeout=120) for proc in procs]
+    assert [proc.returncode for proc in procs] == [2, 2]
+    lines = [line for _, err in ended for line in error_lines(err)]
+    assert lines == [f"error: rank 1 has world_size {sizes[1]}, rank 0 has {sizes[0]}: every rank needs the same"], ended
+
+
 def test_a_rank_with_another_torch_makes_the_check_exit_2_naming_the_rank_and_both_versions(tmp_path):
     env = launch_env({**fault_env(tmp_path, "other-torch", step=0), "FAULT_RANK": "1"})
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
