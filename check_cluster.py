@@ -118,14 +118,14 @@ class Meeting:
         or until another rank has told the job what went wrong (end): started by hand with
         another WORLD_SIZE, this rank waits for a rank that does not exist, and rank 0's line
         says why; a second line, once rank 0 and its store are gone, would only guess."""
-        keys = [f"check/{step}/{r}" for r in range(self.world_size)]
+        keys, arrived = [f"check/{step}/{r}" for r in range(self.world_size)], f"check/{step}/arrived"
         try:
             self.mark(step, json.dumps(value))
+            self.store.add(arrived, 1)  # one key to poll, whatever the number of ranks
             deadline, pause = time.monotonic() + self.timeout, 0.001
-            while not self.store.check(keys):
+            while self.store.add(arrived, 0) < self.world_size:
                 if self.store.check([ENDED]):
-                    self.store.add(HEARD, 1)
-                    os._exit(2)
+                    stand_down(self.store)
                 if time.monotonic() > deadline:
                     break
                 time.sleep(pause)
@@ -137,14 +137,14 @@ class Meeting:
         raise Failed(self.stalled(step, "the store", None))
 
 
-ENDED, HEARD = "check/ended", "check/heard"  # a rank has said what went wrong; how many ranks saw it
+ENDED, HEARD = "check/ended", "check/heard"  # a rank has said what went wrong; ranks that saw it
+_ending = threading.Event()  # this process's end() is under way (perhaps in the deadline's timer thread)
 
 
 def end(message: str, store=None):
     """Say it once for the whole job (the first rank to get here), and exit 2 at once: a
-    collective that never completed would hold up an orderly exit. Rank 0 started by hand
-    hosts the store: it stays a moment (a second at most) for the ranks waiting in share() to
-    see that the job has ended, so that they end without a line of their own."""
+    collective that never completed would hold up an orderly exit."""
+    _ending.set()  # before ENDED: share() must not take this rank's own end for another's
     try:
         first = store is None or store.add(ENDED, 1) == 1
     except (dist.DistError, RuntimeError):
@@ -153,15 +153,35 @@ def end(message: str, store=None):
         print(f"error: {message}", file=sys.stderr, flush=True)
         launcher.tell_torchrun(f"error: {message}")  # torchrun's report shows it, not a link to its docs
     sys.stdout.flush()
-    hosting = (store is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-               and os.environ.get("RANK", "0") == "0")
-    others, until = int(os.environ.get("WORLD_SIZE", 1)) - 1, time.monotonic() + 1
+    if store is not None:
+        linger(store)
+    os._exit(2)
+
+
+def stand_down(store):
+    """Another rank has said what went wrong, for the job: end without a line of our own."""
+    if _ending.is_set():  # no: this process's own end() is saying it, and exits
+        threading.Event().wait()
     try:
-        while hosting and store.add(HEARD, 0) < others and time.monotonic() < until:
+        store.add(HEARD, 1)
+    except (dist.DistError, RuntimeError):
+        pass
+    linger(store)
+    os._exit(2)
+
+
+def linger(store):
+    """Rank 0 started by hand hosts the store: it stays up to a second, until the ranks still
+    waiting in share() have seen that the job ended (all but the one that said it). Without
+    its store, they would each add a line guessing why it went away."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or os.environ.get("RANK", "0") != "0":
+        return
+    until = time.monotonic() + 1
+    try:
+        while store.add(HEARD, 0) < int(os.environ.get("WORLD_SIZE", 1)) - 1 and time.monotonic() < until:
             time.sleep(0.01)
     except (dist.DistError, RuntimeError):
         pass
-    os._exit(2)
 
 
 def table(ranks: list[dict]) -> str:

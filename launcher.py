@@ -7,7 +7,6 @@ the rest lives here.
 import datetime
 import inspect
 import json
-import math
 import os
 import re
 import signal
@@ -107,6 +106,9 @@ def _finish_background_work():
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _main_pid, _signalled = None, None  # the process exit_on_usage_error runs in; the signal ending it
 _joining = False  # from job_store until side_groups returns: the ranks are meeting (exit_on_usage_error)
+# A signal while InTurns waits leaves gloo's barrier queued, and tearing down the group (or the
+# interpreter) waits for it to complete: for the other rank's turn. Such a process ends at once.
+_abandoned = False
 
 
 def _end_at_once(signum, frame):
@@ -156,8 +158,8 @@ def exit_on_usage_error(main):
     exit status 2; a signal before training begins, one line and 128 + its number. A
     checkpoint still being written is completed first, and the process group, if any, is
     destroyed on every way out."""
-    global _main_pid, _signalled, _joining
-    _main_pid, _signalled, _joining = os.getpid(), None, False
+    global _main_pid, _signalled, _joining, _abandoned
+    _main_pid, _signalled, _joining, _abandoned = os.getpid(), None, False, False
     previous = {sig: signal.signal(sig, _end_at_once) for sig in _STOP_SIGNALS}
     try:
         main()
@@ -192,6 +194,9 @@ def exit_on_usage_error(main):
         if is_rank0():
             print("interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}",
                   file=sys.stderr)
+        if _abandoned:  # during data preparation: nothing to save or finish, and the group cannot be torn down
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(128 + signum)
         sys.exit(128 + signum)  # what a shell reports for a process a signal ended: 130 for Ctrl-C
     finally:
         for sig, handler in previous.items():
@@ -245,8 +250,8 @@ def job_store(timeout_minutes: float, wait_for_workers: bool = True):
     prefix per restart (or, under plain `python`, one for a world of one). Launched without
     torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand), rank 0 hosts it and,
     unless told not to, waits there for the others to connect."""
-    global _joining, _store
-    _joining, _store = True, None  # until side_groups: see exit_on_usage_error
+    global _joining
+    _joining = True  # until side_groups: see exit_on_usage_error
     timeout = datetime.timedelta(minutes=timeout_minutes)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if ("RANK" in os.environ or world_size > 1) and not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
@@ -272,12 +277,7 @@ def job_store(timeout_minutes: float, wait_for_workers: bool = True):
                         "cannot know; give every rank the same free port")
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(port), world_size, is_master=rank == 0 and not by_torchrun,
                           timeout=timeout, wait_for_workers=wait_for_workers, multi_tenant=True)
-    _store = dist.PrefixStore(f"attempt{restart_count()}/", store)
-    return _store
-
-
-_store = None  # the job's store, from job_store: InTurns waits on it (below)
-_prep_timeout = None  # seconds: --data-timeout-minutes, from side_groups
+    return dist.PrefixStore(f"attempt{restart_count()}/", store)
 
 
 def side_groups(backend: str, timeout_minutes: float, data_timeout_minutes: float):
@@ -286,8 +286,7 @@ def side_groups(backend: str, timeout_minutes: float, data_timeout_minutes: floa
     far longer than a training collective should ever take. `control` (NCCL only) carries the
     per-step stop flag, which under NCCL would need a GPU tensor whose read-back stalls the
     host; it waits as long as the training collectives do."""
-    global _joining, _prep_timeout
-    _prep_timeout = data_timeout_minutes * 60
+    global _joining
     # Every rank has joined first, within a training collective's timeout: making a group waits
     # for every rank as long as the group may wait (a day for `prep`), and a rank started with
     # another WORLD_SIZE, by hand, would never come.
@@ -308,7 +307,6 @@ class InTurns:
 
     def __init__(self, group, local_rank: int):
         self.group, self.local_rank = group, local_rank
-        self.waits = 0  # collectives so far: the same count on every rank
 
     def everywhere(self, fn):
         return self._in_turns(fn, first=True)
@@ -357,22 +355,17 @@ class InTurns:
 
     def _all_arrived(self):
         """Returns once every rank has come to this collective. The wait for a turn to end may
-        last hours, and is made here, in Python, polling the job's store: inside gloo's wait a
-        signal to this rank alone (not to the whole job) would be handled only once the turn
-        ended. (A rank that dies is noticed by torchrun, which ends the others; started by
-        hand, by the store's host going away, or by --data-timeout-minutes.)"""
-        if _store is None:  # not launched through job_store: gloo's own wait
-            return
-        self.waits += 1
-        key, ranks = f"data-turns/{self.waits}", dist.get_world_size(self.group)
-        arrived, pause = _store.add(key, 1), 0.001
-        deadline = time.monotonic() + (_prep_timeout or math.inf)
-        while arrived < ranks:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{ranks - arrived} of {ranks} ranks did not arrive in time")
+        last hours: it is gloo's barrier, but waited for here, in Python, so that a signal to
+        this rank alone (not to the whole job) stops it now; inside gloo's wait it would be
+        handled only once the turn ended. Gloo still notices a rank that died."""
+        global _abandoned
+        barrier, pause = dist.barrier(group=self.group, async_op=True), 0.001
+        _abandoned = True  # until it completes: a signal ends the process with the barrier still queued
+        while not barrier.is_completed():
             time.sleep(pause)  # a signal is handled here; short waits stay short, long ones poll twice a second
             pause = min(2 * pause, 0.5)
-            arrived = _store.add(key, 0)
+        _abandoned = False
+        barrier.wait()  # raises what the barrier met: a timeout, a rank gone
 
 
 class StopSignal:

@@ -223,7 +223,8 @@ def test_a_signal_to_a_rank_waiting_for_another_ranks_data_turn_stops_it_at_once
     proc = run_script("train_ddp.py", train_args(runs, out), nproc=2, wrapper="tests/inject_fault.py", env=env,
                       check=False, timeout=300)
     took = time.monotonic() - start
-    assert exit_codes(tmp_path)["exit-rank1"] == str(128 + signal.SIGTERM), proc.stderr
+    # (torchrun's report of its first failed worker: the process ends without our wrapper's record)
+    assert f"exitcode  : {128 + signal.SIGTERM}" in proc.stderr and "local_rank: 1" in proc.stderr, proc.stderr
     assert took < 60, f"rank 1 waited for rank 0's turn: {took:.0f} s"  # rank 0's turn alone is 120 s
     assert proc.returncode != 0 and not (out / "model.pt").exists()
     for ours in ("train_ddp.py", "training.py", "launcher.py"):  # torchrun reports its failed child; we add none
