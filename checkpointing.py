@@ -396,15 +396,23 @@ def write_run_files(out_dir: str, tokenizer: Tokenizer, model: LlamaForPretraini
     atomic_save(json.dumps(config, indent=2), out / CONFIG)
 
 
+def config_fields(out: Path):
+    """config.json as JSON (whatever it holds: read_config checks it), or one line."""
+    text = corpus.read_text(out / CONFIG, "model config", 2**20)
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:  # (RecursionError: "[[[[..." nested past the parser)
+        raise UsageError(f"cannot read {out / CONFIG}: {first_line(e)}") from None
+
+
 def read_config(out: Path) -> tuple[LlamaConfig, str | None]:
     """An output folder's config.json: the model's config and its tokenizer's fingerprint
     (None in a folder written before config.json recorded it)."""
-    text = corpus.read_text(out / CONFIG, "model config", 2**20)
+    fields = config_fields(out)
+    fingerprint = fields.pop(TOKENIZER_FINGERPRINT, None) if isinstance(fields, dict) else None
     try:
-        fields = json.loads(text)
-        fingerprint = fields.pop(TOKENIZER_FINGERPRINT, None) if isinstance(fields, dict) else None
         return LlamaConfig(**fields), fingerprint
-    except (ValueError, TypeError, RecursionError) as e:  # (RecursionError: "[[[[..." nested past the parser)
+    except (ValueError, TypeError) as e:
         raise UsageError(f"cannot read {out / CONFIG}: {first_line(e)}") from None
 
 
@@ -412,8 +420,8 @@ def recorded_fingerprint(out: Path) -> str | None:
     """config.json's tokenizer fingerprint alone, for a run about to rewrite config.json: a
     folder from before the fingerprint, or a config.json unreadable, has none to check."""
     try:
-        fields = json.loads(corpus.read_text(out / CONFIG, "model config", 2**20))
-    except (UsageError, ValueError, RecursionError):
+        fields = config_fields(out)
+    except UsageError:
         return None
     fingerprint = fields.get(TOKENIZER_FINGERPRINT) if isinstance(fields, dict) else None
     return fingerprint if isinstance(fingerprint, str) else None

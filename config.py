@@ -142,16 +142,15 @@ def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConf
         cfg.init_from = None
     if cfg.init_from:
         out, weights = checkpointing.init_source(cfg.init_from)
-        checkpointing.check_tokenizer(out, data.load_tokenizer(out / checkpointing.TOKENIZER),  # theirs, unedited
-                                      checkpointing.recorded_fingerprint(out))
+        theirs = data.load_tokenizer(out / checkpointing.TOKENIZER)
+        checkpointing.check_tokenizer(out, theirs, checkpointing.recorded_fingerprint(out))  # unedited
         if cfg.tokenizer:
             raise UsageError("--init-from brings its own tokenizer (the tokenizer.json beside its weights): leave "
                              "--tokenizer out")
         if cfg.vocab_size is not None:  # a job script's constant: fine while it is what the weights were trained on
-            theirs = data.load_tokenizer(out / checkpointing.TOKENIZER).get_vocab_size()
-            if cfg.vocab_size != theirs:
+            if cfg.vocab_size != theirs.get_vocab_size():
                 raise UsageError(f"--vocab-size {cfg.vocab_size}: the weights of --init-from were trained with "
-                                 f"{theirs:,} tokens (their tokenizer.json comes with them): leave --vocab-size out")
+                                 f"{theirs.get_vocab_size():,} tokens (their tokenizer.json comes with them): leave --vocab-size out")
             cfg.vocab_size = None
         # resolved once: every later step reads these weights, even if the source run saves again
         cfg.init_from = str(weights)
