@@ -26,10 +26,10 @@ import pyarrow.compute
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import corpus
-from errors import UsageError, first_line
-from launcher import usable_cores, warn
 from model import IGNORE_INDEX
+from training import corpus
+from training.errors import UsageError, first_line, warn
+from training.launch import usable_cores
 
 PAD, BOT, EOT = "[PAD]", "[BOT]", "[EOT]"
 SPECIAL_TOKENS = [PAD, BOT, EOT]
@@ -366,3 +366,16 @@ class ResumableDistributedSampler(torch.utils.data.DistributedSampler):
 
     def __len__(self):
         return self.num_samples - self.start
+
+
+def next_micro_batches(batches, grad_accum: int, device: torch.device) -> list:
+    """The grad_accum micro-batches of one optimizer step, on the device (see on_device)."""
+    return [on_device(next(batches), device) for _ in range(grad_accum)]
+
+
+def on_device(batch, device: torch.device) -> tuple:
+    """(inputs, targets, position_ids) of a batch, on the device. position_ids: each token's
+    position in its window, for rows that hold several (--pack); else None."""
+    x, y, *packed = batch
+    position_ids = packed[0].to(device, non_blocking=True) if packed else None
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True), position_ids

@@ -15,9 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import chunked_loss
-import packed_attention
-from chunked_loss import IGNORE_INDEX
+from training import chunked_loss, packed_attention
+from training.chunked_loss import IGNORE_INDEX
 
 
 @dataclass

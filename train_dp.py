@@ -11,60 +11,53 @@ Each rung is its diff with the one before: `diff train_dp.py train_ddp.py`, then
 
 import math
 import time
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-import checkpointing
-import launcher
-import memory
-import metrics
-import training
-from data import ResumableRandomSampler
-from errors import UsageError
+import data
 from model import IGNORE_INDEX
+from training import build, config, evaluation, launch, memory, metrics, resume, run_data  # the run
+from training import checkpoint, pt_checkpoint, run_folder, stopping  # saving and stopping
 
 
 def main():
-    cfg = training.parse_args(description=__doc__)
+    cfg = config.parse_args(description=__doc__)
     rank, world_size = 0, 1  # one process, however many GPUs it drives
     is_main = True  # the one process that prints, logs and writes files
-    device = torch.device("cuda" if training.use_cuda(cfg) else "cpu")  # a GPU torch cannot see is an error
+    device = torch.device("cuda" if launch.use_cuda(cfg) else "cpu")  # a GPU torch cannot see is an error
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    if cfg.compile and gpus > 1:
-        raise UsageError("--compile does not work under nn.DataParallel: use train_ddp.py")
-    micro_batch = training.micro_batch_size(cfg, world_size)  # per process and micro-step
-    dtype = training.compute_dtype(cfg.dtype, device)  # matmuls in dtype; weights and loss stay fp32
+    micro_batch = config.micro_batch_size(cfg, world_size)  # per process and micro-step
+    dtype = launch.compute_dtype(cfg.dtype, device)  # matmuls in dtype; weights and loss stay fp32
 
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
     # real jobs: a model too big for this device's memory is refused once the vocabulary is known
     model_fits = memory.Check(cfg, micro_batch, dtype, device)
-    ckpt, tokenizer, train_ds, val_ds = training.prepare_data(cfg, model_fits=model_fits)
+    ckpt, tokenizer, train_ds, val_ds = run_data.prepare(cfg, model_fits=model_fits)
     steps_per_epoch = len(train_ds) // cfg.batch_size  # full global batches only
-    total_steps = training.total_steps(cfg, steps_per_epoch)
+    total_steps = config.total_steps(cfg, steps_per_epoch)
 
     # ---- model and optimizer ----
-    raw_model = training.build_model(cfg, tokenizer.get_vocab_size(), dtype).to(device)
+    raw_model = build.model(cfg, tokenizer.get_vocab_size(), dtype).to(device)
     if cfg.compile:
         raw_model.compile()  # in place: the state_dict keeps its keys (no `_orig_mod.` prefix)
-    optimizer, scheduler = training.make_optimizer(raw_model, cfg, total_steps)
-    step = training.resume(ckpt, cfg, raw_model, optimizer, scheduler, steps_per_epoch)  # 0 for a new run
+    optimizer, scheduler = build.optimizer(raw_model, cfg, total_steps)
+    step = resume.from_checkpoint(ckpt, cfg, raw_model, optimizer, scheduler, steps_per_epoch)  # 0 for a new run
     log = metrics.MetricsLog(cfg, enabled=is_main, resume_step=step, facts=train_ds.facts)  # and the trackers
     if is_main:
-        checkpointing.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
-    # DataParallel: one process drives every visible GPU
+        run_folder.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
+    # DataParallel: one process drives every visible GPU (uncompiled: config.py refuses --compile there)
     model = nn.DataParallel(raw_model) if gpus > 1 else raw_model
 
     # each epoch a permutation of seed + epoch alone: train_ddp.py deals the same one to its ranks
-    sampler = ResumableRandomSampler(train_ds, seed=cfg.seed)
+    sampler = data.ResumableRandomSampler(train_ds, seed=cfg.seed)
     loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
                         pin_memory=device.type == "cuda")
-    val_loader = training.val_loader(val_ds, rank, world_size, micro_batch)
-    writer = checkpointing.CheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
-    stop = launcher.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
+    val_loader = evaluation.val_loader(val_ds, rank, world_size, micro_batch)
+    writer = pt_checkpoint.PtCheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
+    stop = stopping.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
     if is_main:
         print(metrics.describe(raw_model, train_ds, steps_per_epoch, total_steps, micro_batch, cfg, device, dtype))
 
@@ -84,7 +77,7 @@ def main():
             sampler.set_epoch(epoch, start=step_in_epoch * micro_batch * cfg.grad_accum)
             batches = iter(loader)
         with speedometer.waiting():  # for data_wait_fraction
-            micro_batches = training.next_micro_batches(batches, cfg.grad_accum, device)
+            micro_batches = data.next_micro_batches(batches, cfg.grad_accum, device)
         # Real (non-pad) targets in this whole optimizer step. Dividing each micro-batch's
         # summed loss by this count weighs every token the same, however many pads there are.
         n_tokens = sum((y != IGNORE_INDEX).sum() for _, y, _ in micro_batches)
@@ -109,7 +102,7 @@ def main():
         if step % cfg.log_every == 0 or step == last_step:
             loss = (train_totals[0] / train_totals[1]).item()  # token-weighted mean since last log
             norm = grad_norm.item()  # this step's
-            training.stop_if_diverged(step, cfg, loss=loss, grad_norm=norm)  # real jobs: before logging
+            stopping.stop_if_diverged(step, cfg, loss=loss, grad_norm=norm)  # real jobs: before logging
             row = speedometer.row(step, epoch, loss, lr, norm, nonpad_tokens=train_totals[1].item())
             log.write(row)  # to metrics.jsonl, and TensorBoard and W&B if asked for
             pbar.set_postfix(metrics.progress(row))
@@ -118,13 +111,13 @@ def main():
         evaluating = (step % cfg.eval_every == 0 or step == last_step) and not preempted
         with speedometer.paused(saving or evaluating):  # saving and evaluation do not count as training time
             if saving:
-                training.stop_if_diverged(step, cfg, model=raw_model)  # real jobs: on every rank, before saving
+                stopping.stop_if_diverged(step, cfg, model=raw_model)  # real jobs: on every rank, before saving
             if saving and is_main:
-                writer.save(checkpointing.checkpoint_state(raw_model, optimizer, scheduler, cfg, step, train_ds))
+                writer.save(raw_model, optimizer, checkpoint.run_state(raw_model, scheduler, cfg, step, train_ds))
             if evaluating:
-                totals = training.evaluate(raw_model, val_loader, device)  # the plain module: no wrapper
+                totals = evaluation.evaluate(raw_model, val_loader, device)  # the plain module: no wrapper
                 val_loss = (totals[0] / totals[1]).item()
-                val_bpb = training.bits_per_byte(totals[0], val_ds)  # per byte of text: comparable across tokenizers
+                val_bpb = evaluation.bits_per_byte(totals[0], val_ds)  # per byte of text: comparable across tokenizers
                 log.write({"step": step, "val_loss": val_loss, "val_bpb": val_bpb})
                 if is_main:  # tqdm.write prints even where the bar is disabled
                     tqdm.write(f"step {step}: val loss {val_loss:.4f} | {val_bpb:.4f} bits per byte")
@@ -137,7 +130,7 @@ def main():
         full_state = raw_model.state_dict()  # raw_model, not model: no `module.` prefix in the keys
     if is_main:
         if step == total_steps:
-            checkpointing.atomic_save(full_state, Path(cfg.out_dir) / checkpointing.MODEL)
+            run_folder.save_model(cfg.out_dir, full_state)
         trained = speedometer.trained + round(train_totals[1].item())  # and the steps since the last log
         print(metrics.summary(cfg, step, total_steps, first_step, trained, time.perf_counter() - started, loss,
                               val_loss, preempted, writer.checkpoint_at(step)))
@@ -145,4 +138,4 @@ def main():
 
 
 if __name__ == "__main__":
-    launcher.exit_on_usage_error(main)  # real jobs: bad input is one line on stderr and exit status 2
+    stopping.exit_on_usage_error(main)  # real jobs: bad input is one line on stderr and exit status 2

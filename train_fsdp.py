@@ -12,7 +12,6 @@ import datetime
 import math
 import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,14 +20,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-import checkpointing
-import launcher
-import memory
-import metrics
-import sharded_checkpointing
-import training
-from data import ResumableDistributedSampler
+import data
 from model import IGNORE_INDEX
+from training import build, config, evaluation, launch, memory, metrics, resume, run_data  # the run
+from training import checkpoint, run_folder, sharded_checkpoint, stopping, turns  # saving, stopping, data in turns
 
 
 def shard(model, mesh, dtype: torch.dtype):
@@ -45,7 +40,7 @@ def shard(model, mesh, dtype: torch.dtype):
 
 
 def main():
-    cfg = training.parse_args(ddp=True, description=__doc__)
+    cfg = config.parse_args(distributed=True, description=__doc__)
     # torchrun tells each process who it is. RANK: its place in the whole job;
     # LOCAL_RANK: its place on this machine, which picks the GPU (RANK would pick GPU 5
     # on a 4-GPU node 2). Under plain `python` it is a world of one.
@@ -53,54 +48,52 @@ def main():
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     is_main = rank == 0  # the one process that prints, logs and writes files
-    if training.use_cuda(cfg):  # torch.cuda.is_available(), and a GPU torch cannot see is an error
-        device = torch.device("cuda", local_rank)
+    device = torch.device("cuda", local_rank) if launch.use_cuda(cfg) else torch.device("cpu")  # as in train_dp.py
+    if device.type == "cuda":
         torch.cuda.set_device(device)  # before init, else every rank opens a context on GPU 0
-    else:
-        device = torch.device("cpu")
-    micro_batch = training.micro_batch_size(cfg, world_size)  # per process and micro-step
-    dtype = training.compute_dtype(cfg.dtype, device)  # matmuls in dtype; weights and loss stay fp32
+    micro_batch = config.micro_batch_size(cfg, world_size)  # per process and micro-step
+    dtype = launch.compute_dtype(cfg.dtype, device)  # matmuls in dtype; weights and loss stay fp32
     backend = cfg.backend or ("nccl" if device.type == "cuda" else "gloo")
-    dist.init_process_group(backend, store=launcher.job_store(cfg.timeout_minutes), rank=rank, world_size=world_size,
+    dist.init_process_group(backend, store=launch.job_store(cfg.timeout_minutes), rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=cfg.timeout_minutes))  # join the job's processes
-    prep, control = launcher.side_groups(backend, cfg.timeout_minutes, cfg.data_timeout_minutes)  # real jobs: see there
+    prep, control = launch.side_groups(backend, cfg.timeout_minutes, cfg.data_timeout_minutes)  # real jobs: see there
     mesh = init_device_mesh(device.type, (world_size,))  # FSDP: the ranks that share each tensor
 
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
     # real jobs: local rank 0 of each node prepares the data first; the others then read its cache
     # real jobs: a model too big for this device's memory is refused once the vocabulary is known
     model_fits = memory.Check(cfg, micro_batch, dtype, device, shards=world_size)  # FSDP: 1/world_size each
-    ckpt, tokenizer, train_ds, val_ds = training.prepare_data(cfg, launcher.InTurns(prep, local_rank),
-                                                              model_fits=model_fits, sharded=True)
+    ckpt, tokenizer, train_ds, val_ds = run_data.prepare(cfg, turns.InTurns(prep, local_rank),
+                                                         model_fits=model_fits, sharded=True)
     steps_per_epoch = len(train_ds) // cfg.batch_size  # full global batches only
-    total_steps = training.total_steps(cfg, steps_per_epoch)
+    total_steps = config.total_steps(cfg, steps_per_epoch)
 
     # ---- model and optimizer ----
     # FSDP: built on the meta device (no memory), sharded, then memory for this rank's shards
     # alone; each whole weight is drawn as one process draws it, and each rank keeps its shard.
     # float32, not dtype: under FSDP, MixedPrecisionPolicy (in shard) sets the compute dtype, not autocast
-    raw_model = training.build_model(cfg, tokenizer.get_vocab_size(), torch.float32, device="meta")
+    raw_model = build.model(cfg, tokenizer.get_vocab_size(), torch.float32, device="meta")
     if cfg.compile:  # DDP: each layer and the LM head (with its loss) apart: see docs/ddp.md (FSDP: before sharding)
         for block in [*raw_model.base_model.layers, raw_model.lm_head]:
             block.compile()  # in place: the state_dict keeps its keys (no `_orig_mod.` prefix)
     shard(raw_model, mesh, dtype)  # in place
     raw_model.to_empty(device=device)
-    training.init_weights(raw_model, cfg)  # FSDP: each rank now holds 1/world_size of every weight
-    optimizer, scheduler = training.make_optimizer(raw_model, cfg, total_steps)
-    step = training.resume(ckpt, cfg, raw_model, optimizer, scheduler, steps_per_epoch)  # 0 for a new run
+    build.init_weights(raw_model, cfg)  # FSDP: each rank now holds 1/world_size of every weight
+    optimizer, scheduler = build.optimizer(raw_model, cfg, total_steps)
+    step = resume.from_checkpoint(ckpt, cfg, raw_model, optimizer, scheduler, steps_per_epoch)  # 0 for a new run
     log = metrics.MetricsLog(cfg, enabled=is_main, resume_step=step, facts=train_ds.facts)  # and the trackers
     if is_main:
-        checkpointing.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
+        run_folder.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
     model = raw_model  # FSDP: sharded in place, no wrapper
 
     # each rank reads every world_size-th sample of the epoch's permutation: together, train_dp.py's batch
-    sampler = ResumableDistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True,
-                                          seed=cfg.seed, drop_last=True)
+    sampler = data.ResumableDistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True,
+                                               seed=cfg.seed, drop_last=True)
     loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
                         pin_memory=device.type == "cuda")
-    val_loader = training.val_loader(val_ds, rank, world_size, micro_batch, same_length=True)  # FSDP: see there
-    writer = sharded_checkpointing.ShardedCheckpointWriter(cfg.out_dir, cfg.keep_checkpoints, cfg.timeout_minutes)
-    stop = launcher.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
+    val_loader = evaluation.val_loader(val_ds, rank, world_size, micro_batch, same_length=True)  # FSDP: see there
+    writer = sharded_checkpoint.ShardedCheckpointWriter(cfg.out_dir, cfg.keep_checkpoints, cfg.timeout_minutes)
+    stop = stopping.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
     if is_main:
         print(metrics.describe(raw_model, train_ds, steps_per_epoch, total_steps, micro_batch, cfg, device, dtype))
 
@@ -120,7 +113,7 @@ def main():
             sampler.set_epoch(epoch, start=step_in_epoch * micro_batch * cfg.grad_accum)
             batches = iter(loader)
         with speedometer.waiting():  # for data_wait_fraction
-            micro_batches = training.next_micro_batches(batches, cfg.grad_accum, device)
+            micro_batches = data.next_micro_batches(batches, cfg.grad_accum, device)
         # Real (non-pad) targets in this whole optimizer step. Dividing each micro-batch's
         # summed loss by this count weighs every token the same, however many pads there are.
         n_tokens = sum((y != IGNORE_INDEX).sum() for _, y, _ in micro_batches)
@@ -145,13 +138,13 @@ def main():
         step += 1
         speedometer.step()
         pbar.update()
-        preempted = launcher.agreed(stop.requested, control)  # real jobs: every rank stops after the same step
+        preempted = stopping.agreed(stop.requested, control)  # real jobs: every rank stops after the same step
 
         if step % cfg.log_every == 0 or step == last_step:
             dist.all_reduce(train_totals[:1])  # loss sums of every rank (the counts are global already)
             loss = (train_totals[0] / train_totals[1]).item()  # token-weighted mean since last log
             norm = grad_norm.item()  # this step's
-            training.stop_if_diverged(step, cfg, loss=loss, grad_norm=norm)  # real jobs: before logging
+            stopping.stop_if_diverged(step, cfg, loss=loss, grad_norm=norm)  # real jobs: before logging
             row = speedometer.row(step, epoch, loss, lr, norm, nonpad_tokens=train_totals[1].item())
             log.write(row)  # to metrics.jsonl, and TensorBoard and W&B if asked for
             pbar.set_postfix(metrics.progress(row))
@@ -160,15 +153,15 @@ def main():
         evaluating = (step % cfg.eval_every == 0 or step == last_step) and not preempted
         with speedometer.paused(saving or evaluating):  # saving and evaluation do not count as training time
             if saving:
-                training.stop_if_diverged(step, cfg, model=raw_model)  # real jobs: on every rank, before saving
+                stopping.stop_if_diverged(step, cfg, model=raw_model)  # real jobs: on every rank, before saving
                 # FSDP: the check above all-reduces (the weights are shards), and every rank writes its
                 # own shards, from a background thread after a copy in memory; no rank gathers the whole state
-                writer.save(raw_model, optimizer, checkpointing.run_state(raw_model, scheduler, cfg, step, train_ds))
+                writer.save(raw_model, optimizer, checkpoint.run_state(raw_model, scheduler, cfg, step, train_ds))
             if evaluating:
-                totals = training.evaluate(raw_model, val_loader, device)  # the plain module: no wrapper
+                totals = evaluation.evaluate(raw_model, val_loader, device)  # the plain module: no wrapper
                 dist.all_reduce(totals)  # [loss sum, targets] over every rank's shard
                 val_loss = (totals[0] / totals[1]).item()
-                val_bpb = training.bits_per_byte(totals[0], val_ds)  # per byte of text: comparable across tokenizers
+                val_bpb = evaluation.bits_per_byte(totals[0], val_ds)  # per byte of text: comparable across tokenizers
                 log.write({"step": step, "val_loss": val_loss, "val_bpb": val_bpb})
                 if is_main:  # tqdm.write prints even where the bar is disabled
                     tqdm.write(f"step {step}: val loss {val_loss:.4f} | {val_bpb:.4f} bits per byte")
@@ -178,10 +171,10 @@ def main():
     writer.wait()  # the last checkpoint is on disk before we go on
 
     if step == total_steps:  # the whole model's weights, for generate.py and export_hf.py
-        full_state = sharded_checkpointing.full_model_state(raw_model)  # FSDP: a gather, so every rank calls it
+        full_state = sharded_checkpoint.full_model_state(raw_model)  # FSDP: a gather, so every rank calls it
     if is_main:
         if step == total_steps:
-            checkpointing.atomic_save(full_state, Path(cfg.out_dir) / checkpointing.MODEL)
+            run_folder.save_model(cfg.out_dir, full_state)
         trained = speedometer.trained + round(train_totals[1].item())  # and the steps since the last log
         print(metrics.summary(cfg, step, total_steps, first_step, trained, time.perf_counter() - started, loss,
                               val_loss, preempted, writer.checkpoint_at(step)))
@@ -190,4 +183,4 @@ def main():
 
 
 if __name__ == "__main__":
-    launcher.exit_on_usage_error(main)  # real jobs: bad input is one line on stderr and exit status 2
+    stopping.exit_on_usage_error(main)  # real jobs: bad input is one line on stderr and exit status 2

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import (BF16, FAST, FP32_LIKE_BF16, load_weights, loss_distance, max_weight_diff,  # noqa: E402
-                      measure_floor, run_script, write_corpus)
+from conftest import (BF16, FAST, FP32_LIKE_BF16, load_weights, loss_distance, max_weight_diff, measure_floor,
+                      run_script, write_corpus)  # noqa: E402
 
 root = Path(sys.argv[1])
 root.mkdir(parents=True, exist_ok=True)

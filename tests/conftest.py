@@ -21,7 +21,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from launcher import usable_cores  # noqa: E402
+from training.launch import usable_cores  # noqa: E402
 
 # Flags for a run that takes seconds: the tiny model on a small corpus with a tiny BPE.
 # fp32 whatever the CPU: the exactness guarantees are fp32 guarantees (bf16 has its own tests).
@@ -142,9 +142,9 @@ def isolated(argv: list[str]):
     """Run a script's code in this process with sys.argv = argv and one thread, as run_script's
     processes have, and leave nothing behind: the signal handlers, the --out-dir lock, the
     thread count, the RNG state and sys.argv are restored afterwards."""
-    import checkpointing
+    from training import run_folder
     handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    threads, rng, locks, saved_argv = torch.get_num_threads(), torch.get_rng_state(), len(checkpointing._LOCKS), sys.argv
+    threads, rng, locks, saved_argv = torch.get_num_threads(), torch.get_rng_state(), len(run_folder._LOCKS), sys.argv
     sys.argv = argv
     torch.set_num_threads(1)
     try:
@@ -155,9 +155,9 @@ def isolated(argv: list[str]):
         torch.set_rng_state(rng)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        for fd in checkpointing._LOCKS[locks:]:
+        for fd in run_folder._LOCKS[locks:]:
             os.close(fd)  # releases the flock, as the end of a process would
-        del checkpointing._LOCKS[locks:]
+        del run_folder._LOCKS[locks:]
 
 
 def script_in_process(script: str, args: list[str]) -> int:
@@ -211,9 +211,9 @@ def leaves_the_test_process_as_it_found_it():
     """Every test starts from the same RNG state, so unseeded inputs do not depend on which
     tests ran before; and no test may leave a signal handler or an --out-dir lock behind (a
     leftover SIGTERM handler would make pytest ignore CI's SIGTERM)."""
-    import checkpointing
+    from training import run_folder
     handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    locks = list(checkpointing._LOCKS)
+    locks = list(run_folder._LOCKS)
     rng, py_rng = torch.get_rng_state(), random.getstate()
     torch.manual_seed(0)
     random.seed(0)
@@ -221,7 +221,7 @@ def leaves_the_test_process_as_it_found_it():
     torch.set_rng_state(rng)
     random.setstate(py_rng)
     assert {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} == handlers, "the test left signal handlers behind"
-    assert checkpointing._LOCKS == locks, "the test left an --out-dir locked"
+    assert run_folder._LOCKS == locks, "the test left an --out-dir locked"
 
 
 @pytest.fixture(scope="session")

@@ -12,21 +12,21 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's modules
-import training  # noqa: E402
 from train_fsdp import shard  # noqa: E402
+from training import build, config  # noqa: E402
 
 dist.init_process_group("gloo")
 rank, world_size = dist.get_rank(), dist.get_world_size()
-cfg = training.parse_args(["--vocab-size", "300", "--seq-len", "32"], ddp=True)  # as train_fsdp.py, under torchrun
-model = training.build_model(cfg, 300, torch.float32, device="meta")
+cfg = config.parse_args(["--vocab-size", "300", "--seq-len", "32"], distributed=True)  # as train_fsdp.py, under torchrun
+model = build.model(cfg, 300, torch.float32, device="meta")
 on_meta = all(p.is_meta for p in model.parameters())  # nothing allocated yet, on any rank
 shard(model, init_device_mesh("cpu", (world_size,)), torch.float32)
 model.to_empty(device="cpu")
-training.init_weights(model, cfg)
+build.init_weights(model, cfg)
 local = sum(p.to_local().numel() for p in model.parameters())  # what this rank holds
 whole = {name: p.full_tensor() for name, p in model.named_parameters()}  # a collective: every rank
 if rank == 0:
-    one_process = training.build_model(cfg, 300, torch.float32)
+    one_process = build.model(cfg, 300, torch.float32)
     expected = dict(one_process.named_parameters())
     found = {"on_meta": on_meta, "local": local, "total": one_process.num_parameters(),
              "names_equal": list(whole) == list(expected),

@@ -97,8 +97,9 @@ def step_and_count(*args, **kwargs):
 patch(torch.optim.AdamW, "step", step_and_count)
 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))
 if "slow-disk" in faults and armed:
-    import checkpointing
     from torch.distributed.checkpoint import FileSystemWriter
+
+    from training import pt_checkpoint
 
     def slow(write):
         def slow_write(*args, **kwargs):
@@ -106,24 +107,24 @@ if "slow-disk" in faults and armed:
             return write(*args, **kwargs)
         return slow_write
 
-    patch(checkpointing, "save_checkpoint", slow(checkpointing.save_checkpoint))
+    patch(pt_checkpoint, "save_checkpoint", slow(pt_checkpoint.save_checkpoint))
     patch(FileSystemWriter, "write_data", slow(FileSystemWriter.write_data))  # train_fsdp.py's shards
 
 if "slow-prepare" in faults and armed:
-    import training
+    from training import run_data
 
-    real_load_text = training.load_text
+    real_load_text = run_data.load_text
 
     def slow_load_text(*args, **kwargs):
         time.sleep(float(os.environ["FAULT_SECONDS"]))  # the work itself is slow, nothing waits on it
         return real_load_text(*args, **kwargs)
 
-    patch(training, "load_text", slow_load_text)
+    patch(run_data, "load_text", slow_load_text)
 
 if "sigterm-waiting" in faults and not armed and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-    import launcher
+    from training import turns
 
-    real_wait = launcher.InTurns._wait
+    real_wait = turns.InTurns._wait
 
     def signalled_wait(self, *args):
         if not getattr(signalled_wait, "armed", False):  # the first wait only
@@ -131,7 +132,7 @@ if "sigterm-waiting" in faults and not armed and os.environ.get("TORCHELASTIC_RE
             threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
         return real_wait(self, *args)
 
-    patch(launcher.InTurns, "_wait", signalled_wait)
+    patch(turns.InTurns, "_wait", signalled_wait)
 
 if "slow-tokenizing" in faults and armed:
     import data
@@ -150,10 +151,10 @@ if "slow-tokenizing" in faults and armed:
 if "diverge-mid-save" in faults and armed:
     from torch.distributed.checkpoint import FileSystemWriter
 
-    import training
+    from training import stopping
 
     diverged = threading.Event()
-    real_stop_if_diverged, real_write_data = training.stop_if_diverged, FileSystemWriter.write_data
+    real_stop_if_diverged, real_write_data = stopping.stop_if_diverged, FileSystemWriter.write_data
 
     def nan_at_step(step, cfg, loss=None, grad_norm=None, model=None):
         if step == at_step and loss is not None:
@@ -165,11 +166,11 @@ if "diverge-mid-save" in faults and armed:
         diverged.wait()
         return real_write_data(self, *args, **kwargs)
 
-    patch(training, "stop_if_diverged", nan_at_step)
+    patch(stopping, "stop_if_diverged", nan_at_step)
     patch(FileSystemWriter, "write_data", write_after_divergence)
 
 if "small-memory" in faults and armed:
-    import memory
+    from training import memory
 
     patch(memory, "device_memory", lambda device: (int(os.environ["FAULT_BYTES"]),) * 2)
 
@@ -179,7 +180,7 @@ if "small-disk" in faults and armed:
     import io
     import shutil
 
-    import checkpointing
+    from training import files
 
     capacity = int(os.environ["FAULT_BYTES"])
     out_dir = sys.argv[sys.argv.index("--out-dir") + 1]
@@ -200,7 +201,7 @@ if "small-disk" in faults and armed:
             return shutil._ntuple_diskusage(capacity, used(), max(0, capacity - used()))  # ranks race to fill it
         return real_disk_usage(path)
 
-    patch(checkpointing, "open", lambda path, mode: SmallDiskFile(path, mode.replace("b", "")))  # atomic_save's
+    patch(files, "open", lambda path, mode: SmallDiskFile(path, mode.replace("b", "")))  # atomic_save's
     from torch.distributed.checkpoint.filesystem import FileSystem
     real_create_stream = FileSystem.create_stream
 

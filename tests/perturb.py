@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the trainer's modules
-import chunked_loss  # noqa: E402
-import training  # noqa: E402
+import data  # noqa: E402
 from model import IGNORE_INDEX, LlamaLMHead  # noqa: E402
+from training import build, chunked_loss  # noqa: E402
 
 
 def full_logits_loss(lm_head, h, targets):
@@ -45,7 +45,7 @@ def full_logits_head(self, h, targets=None):
 @contextlib.contextmanager
 def perturbed(perturbation: str):
     real_next_micro_batches, real_make_optimizer, real_all_reduce = (
-        training.next_micro_batches, training.make_optimizer, dist.all_reduce)
+        data.next_micro_batches, build.optimizer, dist.all_reduce)
     real_head, real_chunk_tokens = LlamaLMHead.forward, chunked_loss.chunk_tokens
     calls = []
 
@@ -69,11 +69,11 @@ def perturbed(perturbation: str):
         return real_all_reduce(tensor, *args, **kwargs)
 
     if perturbation == "reverse-batches":
-        training.next_micro_batches = reversed_micro_batches
+        data.next_micro_batches = reversed_micro_batches
     elif perturbation == "drop-micro-batch":
-        training.next_micro_batches = one_dropped
+        data.next_micro_batches = one_dropped
     elif perturbation == "lr-off-by-one":
-        training.make_optimizer = schedule_one_ahead
+        build.optimizer = schedule_one_ahead
     elif perturbation == "per-rank-mean":
         dist.all_reduce = local_count_only
     elif perturbation == "full-logits":
@@ -85,7 +85,7 @@ def perturbed(perturbation: str):
     try:
         yield
     finally:
-        training.next_micro_batches, training.make_optimizer, dist.all_reduce = (
+        data.next_micro_batches, build.optimizer, dist.all_reduce = (
             real_next_micro_batches, real_make_optimizer, real_all_reduce)
         LlamaLMHead.forward, chunked_loss.chunk_tokens = real_head, real_chunk_tokens
 

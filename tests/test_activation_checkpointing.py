@@ -71,10 +71,10 @@ def test_the_flag_may_change_on_resume(runs, tmp_path):
 
 
 def test_the_flag_reaches_every_decoder_layer_of_the_model_the_scripts_build():
-    import training
-    model = training.build_model(training.parse_args(["--vocab-size", "300", *AC]), 300, torch.float32)
+    from training import build, config
+    model = build.model(config.parse_args(["--vocab-size", "300", *AC]), 300, torch.float32)
     assert [layer.activation_checkpointing for layer in model.base_model.layers] == [True] * 4
-    plain = training.build_model(training.parse_args(["--vocab-size", "300"]), 300, torch.float32)
+    plain = build.model(config.parse_args(["--vocab-size", "300"]), 300, torch.float32)
     assert not any(layer.activation_checkpointing for layer in plain.base_model.layers)
 
 

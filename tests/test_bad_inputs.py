@@ -13,10 +13,11 @@ import sys
 import pytest
 import torch
 
-from conftest import (FAST, FAST_WITH_TOKENIZER, REPO, assert_same_weights, launch_env, run_script,
-                      script_in_process, train)
-from config import TrainConfig
-from errors import UsageError
+from conftest import (FAST, FAST_WITH_TOKENIZER, REPO, assert_same_weights, launch_env, run_script, script_in_process,
+                      train)
+from training import config
+from training.config import TrainConfig
+from training.errors import UsageError
 
 
 def snapshot(folder):
@@ -241,13 +242,13 @@ def test_an_error_under_torchrun_is_printed_once_and_ends_every_rank(tmp_path, c
     # (from the error file each worker leaves), not a link to its docs
     assert f"traceback : error: dataset {tmp_path / 'c.jsonl'} has no column 'body'" in proc.stderr
     assert "To enable traceback see" not in proc.stderr
-    for ours in ("train_ddp.py", "training.py", "data.py", "model.py"):
-        assert f'File "{REPO / ours}"' not in proc.stderr
+    for ours in ("train_ddp.py", "training", "data.py", "model.py"):  # training: any module of the package
+        assert f'File "{REPO / ours}' not in proc.stderr
     assert not out.exists()
 
 
 # Every flag that takes a value, given a bad one. These run in-process through the same
-# entry point as `python train_ddp.py` (launcher.exit_on_usage_error(main)), so there are many and they are fast.
+# entry point as `python train_ddp.py` (stopping.exit_on_usage_error(main)), so there are many and they are fast.
 BAD_FLAGS = [
     ("--max-steps", "0", "--max-steps must be at least 1"),
     ("--max-steps", "-5", "--max-steps must be at least 1"),
@@ -325,7 +326,7 @@ def test_every_flag_rejects_a_bad_value(tmp_path, corpus, capsys, flag, value, m
 
 @pytest.mark.parametrize("script, args, message", [
     ("train_dp.py", ["--dataset", "missing.txt"], "dataset file or folder not found: missing.txt"),
-    ("generate.py", ["nowhere"], "nowhere is not the output folder of a training run"),
+    ("tools/generate.py", ["nowhere"], "nowhere is not the output folder of a training run"),
 ])
 def test_a_stray_rank_variable_outside_torchrun_hides_no_error(tmp_path, script, args, message, monkeypatch, capsys):
     """RANK=1 left in a shell (or set by another tool) is not a job: the error still shows."""
@@ -422,10 +423,10 @@ def test_a_run_that_saved_into_the_folder_while_this_one_prepared_its_data_stops
     checkpoint) and prepare their data before either takes the lock. The one that comes second
     looks again once it holds the lock, sees what the other saved meanwhile, and stops without
     writing: a new run finds a run there, a resumed one finds its checkpoint replaced."""
-    import training
+    from training import run_data
     finished = runs("dp", "train_dp.py")
     out = runs.copy(finished, tmp_path / "run") if resume else tmp_path / "run"
-    real_make_datasets = training.make_datasets
+    real_make_datasets = run_data.make_datasets
 
     def the_other_run_saves(*args, **kwargs):  # while this run tokenizes
         if resume:  # the other run saved a newer checkpoint.pt (here: the same bytes, a new file)
@@ -435,7 +436,7 @@ def test_a_run_that_saved_into_the_folder_while_this_one_prepared_its_data_stops
             shutil.copytree(finished, out)
         return real_make_datasets(*args, **kwargs)
 
-    monkeypatch.setattr(training, "make_datasets", the_other_run_saves)
+    monkeypatch.setattr(run_data, "make_datasets", the_other_run_saves)
     args = ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), *(["--resume"] if resume else [])]
     assert script_in_process("train_dp.py", args) == 2
     message = (f"{out}/checkpoint.pt changed while this run prepared its data (another run saved into the folder): "
@@ -447,7 +448,7 @@ def test_a_run_that_saved_into_the_folder_while_this_one_prepared_its_data_stops
 
 
 def test_resuming_with_another_tokenizer_is_refused(runs, tmp_path, capsys):
-    import corpus
+    from training import corpus
     import data
     out = runs.copy(runs("dp", "train_dp.py"), tmp_path / "run")
     other = data.train_tokenizer(corpus.load_corpus(str(runs.corpus)), vocab_size=280)
@@ -531,9 +532,9 @@ def test_init_from_refuses_weights_that_do_not_fit_and_flags_that_contradict_it(
 
 def test_init_from_takes_a_vocab_size_that_is_the_weights_own(finished_run, corpus):
     """A job script that always passes --vocab-size, reused with --init-from a run of that vocabulary."""
-    import training
+    from training import config
     fast = [a for a in FAST if a not in ("--vocab-size", "300")]
-    cfg = training.parse_args(["--dataset", str(corpus), *fast, "--init-from", str(finished_run), "--vocab-size",
+    cfg = config.parse_args(["--dataset", str(corpus), *fast, "--init-from", str(finished_run), "--vocab-size",
                                "300"])
     assert cfg.tokenizer == str(finished_run / "tokenizer.json") and cfg.vocab_size is None
 
@@ -565,10 +566,10 @@ def test_a_text_flag_given_empty_is_refused_not_taken_as_absent(name, value):
     """`--init-from "$UNSET"` in a job script: no flag that names a file, folder, column, project
     or run takes an empty value as "not given" (which would train from random weights, train
     a new tokenizer, or log nowhere)."""
-    import training
+    from training import config
     flag = "--" + name.replace("_", "-")
     with pytest.raises(UsageError, match=f"^{flag} is empty"):
-        training.parse_args([flag, value], ddp=True)
+        config.parse_args([flag, value], distributed=True)
 
 
 def test_init_from_a_folder_without_weights_is_refused(corpus, tmp_path, capsys):
@@ -590,9 +591,9 @@ def test_init_from_a_folder_whose_tokenizer_was_edited_is_refused(finished_run, 
 
 def test_init_from_is_ignored_with_a_warning_when_a_job_resumes(finished_run, corpus, capsys):
     """A job resubmitted with its arguments plus --resume: the checkpoint's weights win."""
-    import training
+    from training import config
     fast = [a for a in FAST if a not in ("--vocab-size", "300")]
-    cfg = training.parse_args(["--dataset", str(corpus), *fast, "--init-from", str(finished_run), "--resume"])
+    cfg = config.parse_args(["--dataset", str(corpus), *fast, "--init-from", str(finished_run), "--resume"])
     assert cfg.init_from is None and cfg.tokenizer is None
     assert capsys.readouterr().err == (f"warning: --init-from {finished_run} is ignored: --resume continues the run "
                                        "in --out-dir from its checkpoint\n")
@@ -631,12 +632,11 @@ def test_init_from_a_sharded_checkpoint_whose_weights_are_not_finite_is_refused_
     """The same for a train_fsdp.py checkpoint folder, read by DCP into the model itself (its
     values are known only then, before the run writes its first file)."""
     import torch.distributed.checkpoint as dcp
-    import sharded_checkpointing
-    import training
+    from training import build, config, sharded_checkpoint
     from test_fsdp import fsdp_two_ranks
     source = shutil.copytree(fsdp_two_ranks(runs), tmp_path / "source") / "checkpoint-00000008"
-    model = training.build_model(training.parse_args(["--vocab-size", "300", "--seq-len", "32"]), 300, torch.float32)
-    sharded_checkpointing.load_model(source, model)
+    model = build.model(config.parse_args(["--vocab-size", "300", "--seq-len", "32"]), 300, torch.float32)
+    sharded_checkpoint.load_model(source, model)
     with torch.no_grad():
         model.base_model.norm.weight[3] = float("nan")
     for f in [*source.glob("*.distcp"), source / ".metadata"]:
@@ -651,9 +651,9 @@ def test_init_from_a_sharded_checkpoint_whose_weights_are_not_finite_is_refused_
 
 def test_init_from_weights_in_torchs_legacy_format_starts_there(finished_run, tmp_path):
     """torch.save(..., _use_new_zipfile_serialization=False) cannot be memory-mapped: it is read whole."""
-    import checkpointing
+    from training import weights
     source = weights_folder(finished_run, tmp_path / "legacy", _use_new_zipfile_serialization=False)
-    loaded = checkpointing.weights_in(source / "model.pt")
+    loaded = weights.weights_in(source / "model.pt")
     expected = torch.load(finished_run / "model.pt", weights_only=True)
     assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
 
@@ -695,11 +695,11 @@ def test_a_run_file_that_is_a_fifo_a_device_or_a_folder_is_one_line_not_a_hang(f
 @pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
 def test_tools_and_trackers_read_no_fifo_or_device(finished_run, tmp_path, capsys, kind):
     """generate.py's config.json; --wandb's run file; --dataset itself."""
-    import metrics
+    from training import metrics
     out = tmp_path / "run"
     shutil.copytree(finished_run, out)
     made_hostile(out / "config.json", kind)
-    assert script_in_process("generate.py", [str(out)]) == 2
+    assert script_in_process("tools/generate.py", [str(out)]) == 2
     assert capsys.readouterr().err.startswith(f"error: model config {out / 'config.json'} is not a regular file")
     (out / "wandb-run.txt").write_text("abc 4\n")
     made_hostile(out / "wandb-run.txt", kind)
@@ -710,6 +710,18 @@ def test_tools_and_trackers_read_no_fifo_or_device(finished_run, tmp_path, capsy
     data = tmp_path / "data.txt"
     data.write_text("x")
     made_hostile(data, kind)
-    import corpus
+    from training import corpus
     with pytest.raises(UsageError, match=f"dataset file {data} is not a regular file"):
         corpus.load_corpus(str(data))
+
+
+def test_compile_where_dataparallel_drives_several_gpus_is_refused_before_anything_runs(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """Compiled modules do not run under nn.DataParallel's replicas: train_dp.py on several GPUs
+    with --compile is one line, exit 2, nothing written (two GPUs faked: only their count is
+    asked, no CUDA context opened). On the CPU, and under torchrun, --compile stays allowed."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    refused_in_process("train_dp.py", ["--compile", *FAST, "--max-steps", "1"], tmp_path / "run",
+                       "--compile does not work under nn.DataParallel (train_dp.py on several GPUs)", capsys)
+    assert config.parse_args(["--compile", "--device", "cpu", "--out-dir", str(tmp_path / "cpu")]).compile
+    assert config.parse_args(["--compile", "--out-dir", str(tmp_path / "ddp")], distributed=True).compile

@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import FLOOR_MULTIPLE, assert_same_model, assert_within, ddp_two_ranks, spied
-from perturb import full_logits_loss
 from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining
+from perturb import full_logits_loss
 
 V, C = 4096, 64  # a vocabulary large beside the width: the logits dominate, as at V = 50,000
 
@@ -133,7 +133,7 @@ def test_compiled_the_chunked_loss_gives_the_loss_and_gradients_of_eager():
     incoming gradient of a Function that changed its returned tensor in place to the wrong
     output, and every gradient was exactly 0 (pytorch/pytorch#180642); on this torch, tracing
     `loss += ...` the same way gives 0 gradients too (the mutant this test fails on)."""
-    from chunked_loss import ChunkedCrossEntropy
+    from training.chunked_loss import ChunkedCrossEntropy
 
     def loss_fn(h, weight, targets):
         return ChunkedCrossEntropy.apply(h, weight, targets, 100, torch.float32)

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import check_cluster
 from conftest import REPO, launch_env
 from test_failures import fault_env
+from tools import check_cluster
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -22,7 +22,7 @@ def error_lines(stderr: str) -> list[str]:
 
 def no_traceback_of_ours(stderr: str) -> bool:
     """torchrun prints a report of its own when a worker fails; no frame of our code is in it."""
-    return not any(f"{name}\", line" in stderr for name in ["check_cluster.py", "launcher.py"])
+    return not any(f"{name}\", line" in stderr for name in ["check_cluster.py", "launch.py", "stopping.py"])
 
 
 def test_two_nodes_on_loopback_print_one_row_per_rank_a_correct_all_reduce_and_exit_0():
@@ -33,7 +33,7 @@ def test_two_nodes_on_loopback_print_one_row_per_rank_a_correct_all_reduce_and_e
     launchers = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
          "--rdzv-id=check", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}",
-         "--rdzv-conf=is_host=false", str(REPO / "check_cluster.py"), "--timeout-seconds", "30"],
+         "--rdzv-conf=is_host=false", str(REPO / "tools" / "check_cluster.py"), "--timeout-seconds", "30"],
         cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
     try:
         outputs = [launcher.communicate(timeout=120) for launcher in launchers]
@@ -63,7 +63,7 @@ def test_a_rank_that_never_joins_ends_the_others_within_the_timeout_with_one_lin
                       "NCCL_SOCKET_IFNAME": "lo"})
     started = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(REPO / "tests" / "inject_fault.py"), str(REPO / "check_cluster.py"),
+                             str(REPO / "tests" / "inject_fault.py"), str(REPO / "tools" / "check_cluster.py"),
                              "--timeout-seconds", str(timeout)],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     table_printed = None
@@ -97,7 +97,7 @@ def test_a_launch_gone_wrong_is_one_line_naming_the_rank_within_the_timeout(tmp_
     env = launch_env({**fault_env(tmp_path, fault, step=0), "FAULT_RANK": "1"})
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(REPO / "tests" / "inject_fault.py"), str(REPO / "check_cluster.py"),
+                           str(REPO / "tests" / "inject_fault.py"), str(REPO / "tools" / "check_cluster.py"),
                            "--timeout-seconds", "3"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     took = time.monotonic() - started
     [line] = error_lines(proc.stderr)
@@ -117,7 +117,7 @@ def test_by_hand_without_torchrun_a_missing_rank_is_named_and_an_unreachable_sto
     by_hand = {"LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     ended = {}
     for rank in (0, 1):
-        proc = subprocess.run([sys.executable, str(REPO / "check_cluster.py"), "--timeout-seconds", "3"], cwd=REPO,
+        proc = subprocess.run([sys.executable, str(REPO / "tools" / "check_cluster.py"), "--timeout-seconds", "3"], cwd=REPO,
                               env=launch_env({**by_hand, "RANK": str(rank)}), capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 2 and no_traceback_of_ours(proc.stderr), proc.stderr
@@ -136,7 +136,7 @@ def test_by_hand_two_processes_with_different_world_sizes_end_with_one_line_for_
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(REPO / "check_cluster.py"), "--timeout-seconds", "20"], cwd=REPO,
+    procs = [subprocess.Popen([sys.executable, str(REPO / "tools" / "check_cluster.py"), "--timeout-seconds", "20"], cwd=REPO,
                               env=launch_env({"LOCAL_RANK": "0", "RANK": str(rank), "WORLD_SIZE": str(size),
                                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -150,7 +150,7 @@ def test_by_hand_two_processes_with_different_world_sizes_end_with_one_line_for_
 def test_a_rank_with_another_torch_makes_the_check_exit_2_naming_the_rank_and_both_versions(tmp_path):
     env = launch_env({**fault_env(tmp_path, "other-torch", step=0), "FAULT_RANK": "1"})
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(REPO / "tests" / "inject_fault.py"), str(REPO / "check_cluster.py"),
+                           str(REPO / "tests" / "inject_fault.py"), str(REPO / "tools" / "check_cluster.py"),
                            "--timeout-seconds", "30"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert error_lines(proc.stderr) == [f"error: rank 1 has torch 2.99.0, rank 0 has {torch.__version__}: every rank "
@@ -178,6 +178,6 @@ def test_any_difference_in_gpu_kind_or_nccl_is_called_out():
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(flags, message):
-    proc = subprocess.run([sys.executable, str(REPO / "check_cluster.py"), *flags], cwd=REPO,
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "check_cluster.py"), *flags], cwd=REPO,
                           env=launch_env(), capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stderr) == (2, f"error: {message}\n")

@@ -8,10 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import corpus
 import data
-import training
-from errors import UsageError
+from training import config, corpus, run_data
+from training.errors import UsageError
 
 
 def test_txt_file_is_one_document_per_line_and_blank_lines_are_dropped(tmp_path):
@@ -42,8 +41,8 @@ def test_csv_files_and_bz2_shards_are_read(tmp_path):
 
 def test_the_default_validation_split_is_one_percent_at_least_1_at_most_1000(runs):
     assert [corpus.default_val_docs(n) for n in (5, 240, 12_345, 10**7)] == [1, 2, 123, 1000]
-    cfg = training.parse_args(["--dataset", str(runs.corpus)])  # no --val-docs (the tests' corpus: 240 lines)
-    train_text, val_text, _ = training.load_text(cfg)
+    cfg = config.parse_args(["--dataset", str(runs.corpus)])  # no --val-docs (the tests' corpus: 240 lines)
+    train_text, val_text, _ = run_data.load_text(cfg)
     assert len(val_text) == 2 and len(train_text) == 238
 
 

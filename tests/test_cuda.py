@@ -12,14 +12,12 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import checkpointing
-import packed_attention
-import training
-from metrics import peak_tflops
 from conftest import FAST, FLOOR_MULTIPLE, assert_within, load_weights, max_weight_diff, metrics, run_script
 from model import LlamaConfig, LlamaForPretraining, LlamaLMHead, compute_dtype
-from test_packing import (attended, attention_inputs, both_layouts, in_one_call, padded_reference,
-                          packed_in_padded_order, relative_distance, small_model, with_flex)
+from test_packing import (attended, attention_inputs, both_layouts, in_one_call, packed_in_padded_order,
+                          padded_reference, relative_distance, small_model, with_flex)
+from training import launch, packed_attention, weights
+from training.metrics import peak_tflops
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -36,7 +34,7 @@ def small_config():
 def test_auto_is_bf16_on_this_gpu_when_it_computes_bf16_natively():
     gpu = torch.device("cuda", 0)
     native = torch.cuda.get_device_capability(gpu) >= (8, 0)
-    assert training.compute_dtype("auto", gpu) == (torch.bfloat16 if native else torch.float32)
+    assert launch.compute_dtype("auto", gpu) == (torch.bfloat16 if native else torch.float32)
 
 
 def last_checkpoint_weights(out, tmp_path) -> dict:
@@ -58,7 +56,7 @@ def trains_resumes_and_loads(runs, tmp_path, script, nproc, extra=()):
         assert 0 < rows[-1]["mfu"] < 1
     # the allocator's peaks since the previous row: the weights alone are there, reserved holds allocated
     assert all(0 < row["max_memory_allocated_gib"] <= row["max_memory_reserved_gib"] for row in rows)
-    model, _ = checkpointing.load_trained(straight)  # plain keys, fp32, loads strictly
+    model, _ = weights.load_trained(straight)  # plain keys, fp32, loads strictly
     last = last_checkpoint_weights(straight, tmp_path)  # step 8's, written by another code path
     assert model.state_dict().keys() == last.keys()
     assert all(v.dtype == torch.float32 and torch.equal(v, last[k].float()) for k, v in model.state_dict().items())
@@ -131,9 +129,9 @@ def test_sdpa_serves_gqa_with_the_flash_kernel_in_bf16_and_a_memory_efficient_on
 
 def test_generate_on_the_gpu(runs):
     out = runs("cuda_train_dp.py", "train_dp.py", GPU_FAST)
-    proc = run_script("generate.py", [str(out), "--prompt", "the model", "--max-new-tokens", "16", "--temperature", "0"])
+    proc = run_script("tools/generate.py", [str(out), "--prompt", "the model", "--max-new-tokens", "16", "--temperature", "0"])
     assert proc.stdout.startswith("the model") and len(proc.stdout) > len("the model\n")
-    assert run_script("generate.py", [str(out), "--prompt", "the model", "--max-new-tokens", "16",
+    assert run_script("tools/generate.py", [str(out), "--prompt", "the model", "--max-new-tokens", "16",
                                       "--temperature", "0"]).stdout == proc.stdout
 
 
@@ -141,7 +139,7 @@ def test_the_cluster_check_on_a_gpu_reports_it_and_checks_nccl():
     """One rank per GPU (as many as there are): the GPU's name, torch's CUDA and NCCL versions,
     a correct all-reduce over NCCL and over gloo; with several GPUs, their bus bandwidth."""
     gpus = torch.cuda.device_count()
-    proc = run_script("check_cluster.py", ["--timeout-seconds", "60"], nproc=gpus)
+    proc = run_script("tools/check_cluster.py", ["--timeout-seconds", "60"], nproc=gpus)
     print(proc.stdout)
     nccl = ".".join(map(str, torch.cuda.nccl.version()))
     rows = [line for line in proc.stdout.splitlines() if line[:1].isdigit()]

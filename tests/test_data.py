@@ -9,11 +9,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import corpus
 import data
 from data import BOT, EOT, PAD, PaddedSequenceDataset, ResumableDistributedSampler, ResumableRandomSampler
-from errors import UsageError
 from model import IGNORE_INDEX
+from training import corpus
+from training.errors import UsageError
 
 DOCS = ["def add(a, b):\n    return a + b", "héllo wörld — ünïcode ✓", "x = [i * i for i in range(10)]"]
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpointing
-from errors import UsageError
-from conftest import (FAST, FAST_WITH_TOKENIZER, REPO, ddp_two_ranks, launch_env, load_weights, max_weight_diff, metrics, run_script,
-                      script_in_process, stopped_at_step_4, train, without_speed)
+from conftest import (FAST, FAST_WITH_TOKENIZER, REPO, ddp_two_ranks, launch_env, load_weights, max_weight_diff,
+                      metrics, run_script, script_in_process, stopped_at_step_4, train, without_speed)
+from training import pt_checkpoint, weights
+from training.errors import UsageError
 
 
 def fault_env(tmp_path, fault, step, rank=0):
@@ -227,8 +227,8 @@ def test_a_signal_to_a_rank_waiting_for_another_ranks_data_turn_stops_it_at_once
     assert f"exitcode  : {128 + signal.SIGTERM}" in proc.stderr and "local_rank: 1" in proc.stderr, proc.stderr
     assert took < 60, f"rank 1 waited for rank 0's turn: {took:.0f} s"  # rank 0's turn alone is 120 s
     assert proc.returncode != 0 and not (out / "model.pt").exists()
-    for ours in ("train_ddp.py", "training.py", "launcher.py"):  # torchrun reports its failed child; we add none
-        assert f'File "{REPO / ours}"' not in proc.stderr
+    for ours in ("train_ddp.py", "training"):  # torchrun reports its failed child; we add none
+        assert f'File "{REPO / ours}' not in proc.stderr  # (training: any module of the package)
 
 
 def test_data_preparation_has_its_own_bound(runs, tmp_path):
@@ -243,8 +243,8 @@ def test_data_preparation_has_its_own_bound(runs, tmp_path):
     assert len(ours) == 1 and ours[0].startswith(
         "error: rank 1 stopped waiting for data preparation (--data-timeout-minutes): "), proc.stderr
     assert exit_codes(tmp_path)["exit-rank1"] == "2"
-    for ours in ("train_ddp.py", "training.py", "data.py"):  # no traceback through our code
-        assert f'File "{REPO / ours}"' not in proc.stderr
+    for ours in ("train_ddp.py", "training", "data.py"):  # no traceback through our code
+        assert f'File "{REPO / ours}' not in proc.stderr
 
 
 def _wait_alone(rank, store_path, results, done):
@@ -253,7 +253,7 @@ def _wait_alone(rank, store_path, results, done):
     import time
 
     import torch.distributed as dist
-    from launcher import side_groups
+    from training.launch import side_groups
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     prep, control = side_groups("nccl", timeout_minutes=0.02, data_timeout_minutes=0.06)  # 1.2 s, 3.6 s
     if rank == 1:
@@ -294,8 +294,8 @@ def test_two_runs_cannot_share_an_out_dir(runs, tmp_path, capsys):
 
     from test_bad_inputs import refused_in_process
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, checkpointing; "
-                               f"checkpointing.lock_out_dir({str(out)!r}); print('locked', flush=True); sys.stdin.read()"],
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from training import run_folder; "
+                               f"run_folder.lock_out_dir({str(out)!r}); print('locked', flush=True); sys.stdin.read()"],
                               cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         ready, _, _ = select.select([holder.stdout], [], [], 60)  # a bounded wait for the holder
@@ -330,7 +330,7 @@ def test_a_crash_at_any_moment_of_saving_leaves_a_complete_checkpoint_pt(tmp_pat
     for crash_at in range(1, 50):
         out = tmp_path / f"crash{crash_at}"
         out.mkdir()
-        checkpointing.save_checkpoint(state_at(4), out, keep=2)
+        pt_checkpoint.save_checkpoint(state_at(4), out, keep=2)
         calls = []
 
         def op(name):
@@ -348,13 +348,13 @@ def test_a_crash_at_any_moment_of_saving_leaves_a_complete_checkpoint_pt(tmp_pat
             for name in ("fsync", "replace", "link", "unlink"):
                 m.setattr(os, name, op(name))
             try:
-                checkpointing.save_checkpoint(state_at(8), out, keep=2)
+                pt_checkpoint.save_checkpoint(state_at(8), out, keep=2)
                 crashed = None
             except Crash as e:
                 crashed = str(e)
         step = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)["step"]
         assert step in (4, 8)
-        assert checkpointing.load_latest_checkpoint(out)["step"] == step
+        assert pt_checkpoint.load_latest_checkpoint(out)["step"] == step
         outcomes.append((crashed, step))
         if crashed is None:
             break
@@ -364,7 +364,7 @@ def test_a_crash_at_any_moment_of_saving_leaves_a_complete_checkpoint_pt(tmp_pat
 
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
     for step in (4, 8, 12):
-        checkpointing.save_checkpoint(state_at(step), tmp_path, keep=2)
+        pt_checkpoint.save_checkpoint(state_at(step), tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "checkpoint-00000008.pt", "checkpoint-00000012.pt", "checkpoint.pt"]
     assert (tmp_path / "checkpoint.pt").samefile(tmp_path / "checkpoint-00000012.pt")
@@ -374,16 +374,16 @@ def test_only_the_checkpoints_the_trainer_names_are_pruned_or_resumed_from(tmp_p
     """A user's copies (checkpoint-best.pt, checkpoint-00000004-keep.pt) are neither deleted
     by --keep-checkpoints nor taken for a newer checkpoint; nor do they take a kept slot."""
     for step in (4, 8):
-        checkpointing.save_checkpoint(state_at(step), tmp_path, keep=2)
+        pt_checkpoint.save_checkpoint(state_at(step), tmp_path, keep=2)
     shutil.copy(tmp_path / "checkpoint-00000004.pt", tmp_path / "checkpoint-00000004-keep.pt")
     torch.save(state_at(99), tmp_path / "checkpoint-best.pt")
-    checkpointing.save_checkpoint(state_at(12), tmp_path, keep=1)
+    pt_checkpoint.save_checkpoint(state_at(12), tmp_path, keep=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "checkpoint-00000004-keep.pt", "checkpoint-00000012.pt", "checkpoint-best.pt", "checkpoint.pt"]
     (tmp_path / "checkpoint.pt").write_bytes(b"torn")  # the newest is unreadable under both names
     (tmp_path / "checkpoint-00000012.pt").write_bytes(b"torn")
     with pytest.raises(UsageError, match="cannot load checkpoint"):
-        checkpointing.load_latest_checkpoint(tmp_path)  # never checkpoint-best.pt's step 99
+        pt_checkpoint.load_latest_checkpoint(tmp_path)  # never checkpoint-best.pt's step 99
 
 
 @pytest.mark.parametrize("damage", ['{"step": 5, "epo', "\n\n  \n"])
@@ -463,7 +463,7 @@ def test_two_nodes_train_the_same_model_as_one_node_and_only_rank_0_writes(runs,
 
 @pytest.mark.parametrize("script_env, script_name, restarts", [
     ({}, "train_ddp.py", 3), ({"SCRIPT": "train_fsdp.py"}, "train_fsdp.py", 3),
-    ({"SCRIPT": "check_cluster.py"}, "check_cluster.py", 0)])
+    ({"SCRIPT": "tools/check_cluster.py"}, "tools/check_cluster.py", 0)])
 def test_the_slurm_script_builds_the_torchrun_command_from_slurm_variables(tmp_path, script_env, script_name,
                                                                           restarts):
     """Stand-ins for srun and scontrol record what they are given. Since Slurm 22.05, srun no
@@ -518,7 +518,7 @@ def test_a_checkpoint_crafted_to_run_code_is_refused_and_runs_nothing(runs, tmp_
                                        "tensors and plain values (Trying to load unsupported GLOBAL posix.system "
                                        "whose module posix is blocked.)\n")
     with pytest.raises(UsageError, match=f"cannot load weights {out}/model.pt: refused: it holds more than tensors"):
-        checkpointing.load_trained(out)  # what generate.py and export_hf.py read
+        weights.load_trained(out)  # what generate.py and export_hf.py read
     assert not marker.exists()
     torch.load(out / "model.pt", weights_only=False)  # the file really is hostile:
     assert marker.exists()  # without weights_only it runs its command
@@ -568,9 +568,9 @@ def test_a_damaged_checkpoint_is_one_line_naming_it_and_nothing_is_written(runs,
 
 SIGNAL_DURING_A_FORK = """
 import os, signal, sys, time
-os.register_at_fork(before=lambda: os.kill(os.getpid(), signal.SIGTERM))  # runs inside launcher's bracket
+os.register_at_fork(before=lambda: os.kill(os.getpid(), signal.SIGTERM))  # runs inside stopping.py's bracket
 sys.path.insert(0, sys.argv[1])
-import launcher
+from training import stopping
 
 def main():
     child = os.fork()  # as datasets does, starting its tokenizing workers
@@ -582,7 +582,7 @@ def main():
         pass
     print("went on to the end")
 
-launcher.exit_on_usage_error(main)
+stopping.exit_on_usage_error(main)
 """
 
 
@@ -600,7 +600,7 @@ def test_a_run_whose_gradients_are_all_exactly_zero_stops_with_one_line(runs, tm
     """What torch 2.11's compiler did to the chunked loss (pytorch/pytorch#180642): backward's
     incoming gradient became 0, so every gradient was 0 and the run trained on, learning
     nothing. Simulated here: the first log step stops it, in one line that names the cause."""
-    import chunked_loss
+    from training import chunked_loss
     backward = chunked_loss.ChunkedCrossEntropy.backward
     monkeypatch.setattr(chunked_loss.ChunkedCrossEntropy, "backward",
                         staticmethod(lambda ctx, grad_loss: backward(ctx, grad_loss * 0)))

@@ -11,16 +11,15 @@ import pytest
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-import checkpointing
-import export_hf
-import generate
-from errors import UsageError
 from conftest import (BF16, FAST, FLOOR_MULTIPLE, assert_follows_in_bf16, assert_same_model, assert_same_weights,
                       assert_within, ddp_two_ranks, load_weights, max_weight_diff, metrics, run_script, spied,
                       stopped_at_step_4, train, without_speed)
-from test_using_the_model import config_asking_for, expected_text
 from test_bad_inputs import refused_in_process
 from test_failures import RunsCode, exit_codes, fault_env
+from test_using_the_model import config_asking_for, expected_text
+from tools import export_hf, generate
+from training import weights
+from training.errors import UsageError
 
 # Clipping is the one place where FSDP adds up in another order than DDP: it takes each
 # gradient's norm from the norms of its shards. Without clipping FSDP(2) and DDP(2) end
@@ -77,7 +76,7 @@ def test_each_rank_writes_its_own_shard_and_model_pt_is_a_plain_state_dict(runs,
                                                      "metrics.jsonl", "model.pt", "tokenizer.json"]
     shards = sorted(p.name for p in (out / "checkpoint-00000008").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.pt"]  # one file per rank
-    model, tokenizer = checkpointing.load_trained(out)  # strict load into model.py's model
+    model, tokenizer = weights.load_trained(out)  # strict load into model.py's model
     assert model.state_dict().keys() == load_weights(runs("dp", "train_dp.py")).keys()
     generate.main([str(out), "--prompt", "the", "--max-new-tokens", "5", "--temperature", "0"])
     assert capsys.readouterr().out == expected_text(model, tokenizer, "the", 5)  # greedy: an argmax loop
@@ -96,7 +95,7 @@ def test_an_unfinished_run_is_sampled_from_its_newest_sharded_checkpoint_gathere
     printed = capsys.readouterr()
     assert printed.err == (f"warning: no model.pt in {out} (the run has not finished): using checkpoint-00000004, "
                            "step 4, gathered from its shards\n")
-    model, tokenizer = checkpointing.load_trained(out)
+    model, tokenizer = weights.load_trained(out)
     assert printed.out == expected_text(model, tokenizer, "the", 5)
     one_process = torch.load(stopped_at_step_4(runs, tmp_path) / "checkpoint.pt", map_location="cpu",
                              weights_only=True)["model"]
@@ -222,11 +221,11 @@ def test_an_incomplete_newest_checkpoint_falls_back_and_a_half_written_one_is_cl
 def test_an_unreadable_train_state_falls_back_to_the_older_checkpoint(runs, tmp_path, capsys):
     """Which checkpoint a resume starts from is decided before any shard is read: a newest one
     whose train_state.pt is torn is passed over, with a warning, for the next older one."""
-    import sharded_checkpointing
+    from training import sharded_checkpoint
     out = runs.copy(fsdp_two_ranks(runs), tmp_path / "run")
     state = out / "checkpoint-00000008" / "train_state.pt"
     state.write_bytes(state.read_bytes()[:100])
-    ckpt = sharded_checkpointing.load_latest_checkpoint(out)
+    ckpt = sharded_checkpoint.load_latest_checkpoint(out)
     assert ckpt["step"] == 4 and ckpt["path"] == str(out / "checkpoint-00000004")
     assert capsys.readouterr().err.startswith(f"warning: cannot load checkpoint {state}: ")
 
@@ -365,8 +364,8 @@ def test_a_sharded_save_waits_for_the_other_ranks_no_longer_than_a_training_coll
     """The writer's collectives run on a gloo group of its own, bounded by --timeout-minutes
     (not by --data-timeout-minutes, a day, which bounds data preparation): a rank that dies
     mid-save must not hold the others' exit for a day."""
-    import sharded_checkpointing
-    writer = sharded_checkpointing.ShardedCheckpointWriter(str(tmp_path), keep=2, timeout_minutes=7)
+    from training import sharded_checkpoint
+    writer = sharded_checkpoint.ShardedCheckpointWriter(str(tmp_path), keep=2, timeout_minutes=7)
     assert writer.group._get_backend(torch.device("cpu")).options._timeout == datetime.timedelta(minutes=7)
     assert writer.group != world_of_one  # nor the group of anything else
 
@@ -381,7 +380,7 @@ def test_a_sharded_save_builds_no_cuda_loader_in_dcps_writer_thread(world_of_one
     from torch.distributed.checkpoint import filesystem
     from torch.distributed.device_mesh import init_device_mesh
 
-    import sharded_checkpointing
+    from training import sharded_checkpoint
     import train_fsdp
     from model import LlamaConfig, LlamaForPretraining
     built_in = []
@@ -400,7 +399,7 @@ def test_a_sharded_save_builds_no_cuda_loader_in_dcps_writer_thread(world_of_one
     ids = torch.randint(0, 97, (1, 8))
     model(ids, ids)[0].sum().backward()
     optimizer.step()
-    writer = sharded_checkpointing.ShardedCheckpointWriter(str(tmp_path), keep=2, timeout_minutes=1)
+    writer = sharded_checkpoint.ShardedCheckpointWriter(str(tmp_path), keep=2, timeout_minutes=1)
     monkeypatch.setattr(filesystem._OverlappingCpuLoader, "__init__", spy)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     writer.save(model, optimizer, {"step": 1})
@@ -448,8 +447,7 @@ def test_every_rank_runs_as_many_evaluation_forwards_when_the_held_out_rows_do_n
     train_fsdp.py's val_loader (same_length) gives it a row of padding, whose targets are all
     ignored: the same number of batches on every rank, and every real target once."""
     import data
-    import packing
-    import training
+    from training import evaluation, packing
     from model import IGNORE_INDEX
     from test_packing import stored_windows
     windows = stored_windows([12, 30, 33, 7, 20, 33, 15, 9, 26, 18], vocab_size=300)  # 5 windows are kept
@@ -457,7 +455,7 @@ def test_every_rank_runs_as_many_evaluation_forwards_when_the_held_out_rows_do_n
     if pack:
         ds = packing.PackedSequenceDataset(windows, 32, pad_id=0, packing=packing.pack(windows, 32, seed=0))
     assert len(ds) % 2 == 1  # uneven over 2 ranks
-    loaders = [list(training.val_loader(ds, rank, 2, batch_size=2, same_length=True)) for rank in (0, 1)]
+    loaders = [list(evaluation.val_loader(ds, rank, 2, batch_size=2, same_length=True)) for rank in (0, 1)]
     assert len(loaders[0]) == len(loaders[1])
     assert [sum(len(batch[0]) for batch in loader) for loader in loaders] == [len(ds) // 2 + 1] * 2
     targets = sum(int((batch[1] != IGNORE_INDEX).sum()) for loader in loaders for batch in loader)

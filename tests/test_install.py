@@ -7,8 +7,8 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 
-import training
 from conftest import FAST, REPO, run_in_process, script_in_process
+from training import launch
 
 SCRIPTS = ["train_dp.py", "train_ddp.py", "train_fsdp.py"]
 
@@ -29,7 +29,7 @@ def test_gpus_that_torch_cannot_see_stop_the_run_with_one_line(script, corpus, t
     """A node with 8 GPUs and a CPU build of torch (or a CUDA build newer than its driver)
     would train on the CPU with gloo, saying only "device cpu". It stops before anything is
     written, and says what torch was built for and what to do."""
-    monkeypatch.setattr(training, "nvidia_gpus", lambda: [f"/dev/nvidia{i}" for i in range(8)])
+    monkeypatch.setattr(launch, "nvidia_gpus", lambda: [f"/dev/nvidia{i}" for i in range(8)])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as such a torch says
     monkeypatch.setattr(torch.version, "cuda", None)  # a CPU-only build
     out = tmp_path / "run"
@@ -44,7 +44,7 @@ def test_gpus_that_torch_cannot_see_stop_the_run_with_one_line(script, corpus, t
 def test_device_cpu_trains_on_the_cpu_on_purpose_where_gpus_are_present(corpus, tmp_path, monkeypatch):
     """The start-up line also gives the cores the process may use (3 here, as a scheduler's
     affinity would give it), not the machine's."""
-    monkeypatch.setattr(training, "nvidia_gpus", lambda: ["/dev/nvidia0"])
+    monkeypatch.setattr(launch, "nvidia_gpus", lambda: ["/dev/nvidia0"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
     out = tmp_path / "run"
@@ -53,7 +53,7 @@ def test_device_cpu_trains_on_the_cpu_on_purpose_where_gpus_are_present(corpus, 
 
 
 def test_device_cuda_without_a_gpu_torch_can_use_is_refused(corpus, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(training, "nvidia_gpus", lambda: [])
+    monkeypatch.setattr(launch, "nvidia_gpus", lambda: [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

@@ -8,13 +8,11 @@ import os
 import pytest
 import torch
 
-import checkpointing
-import memory
-import training
-from conftest import FAST, run_script, script_in_process, train
-from errors import UsageError
+from conftest import FAST, run_script, train
 from model import PRESETS, LlamaConfig, LlamaForPretraining
 from test_bad_inputs import refused_in_process
+from training import build, checkpoint, config, memory, pt_checkpoint, run_data
+from training.errors import UsageError
 
 
 def saved_for_backward(model, x, y, position_ids=None) -> int:
@@ -69,9 +67,9 @@ def test_the_activation_estimate_bounds_what_autograd_saves_per_token(dtype, che
 
 
 def test_the_state_estimate_is_what_weights_gradients_adamw_and_a_save_hold_after_a_step():
-    cfg = training.parse_args(["--vocab-size", "300"])
-    model = training.build_model(cfg, 300, torch.float32)
-    optimizer, scheduler = training.make_optimizer(model, cfg, total_steps=10)
+    cfg = config.parse_args(["--vocab-size", "300"])
+    model = build.model(cfg, 300, torch.float32)
+    optimizer, scheduler = build.optimizer(model, cfg, total_steps=10)
     x = torch.randint(0, 300, (2, 16))
     (model(x, x)[0].sum()).backward()
     optimizer.step()
@@ -80,7 +78,7 @@ def test_the_state_estimate_is_what_weights_gradients_adamw_and_a_save_hold_afte
             *(t for state in optimizer.state.values() for t in state.values() if t.dim() > 0)]  # not `step`
     assert need.state == sum(t.numel() * t.element_size() for t in held)
     dataset = type("Dataset", (), {"__len__": lambda self: 80, "corpus": None})()
-    snapshot = checkpointing._cpu_copy(checkpointing.checkpoint_state(model, optimizer, scheduler, cfg, 1, dataset))
+    snapshot = pt_checkpoint.snapshot(model, optimizer, checkpoint.run_state(model, scheduler, cfg, 1, dataset))
     tensors = [*snapshot["model"].values(), *(t for state in snapshot["optimizer"]["state"].values()
                                               for t in state.values() if t.dim() > 0)]
     assert need.snapshot == sum(t.numel() * t.element_size() for t in tensors)
@@ -104,7 +102,7 @@ def test_an_fsdp_run_whose_shares_fit_is_not_refused_for_a_whole_model_it_never_
     """Memory for a share of 8 (28 / 8 bytes a parameter; on a GPU, the host's 12 / 8 for each
     save's copy) but not for the whole fp32 model (4 bytes a parameter): FSDP trains; DDP,
     which holds every weight, is refused."""
-    cfg = training.parse_args(["--model", "tiny", "--seq-len", "32"])
+    cfg = config.parse_args(["--model", "tiny", "--seq-len", "32"])
     parameters = memory.estimate(LlamaConfig(vocab_size=300, **PRESETS["tiny"]), 8, 32, torch.float32).parameters
     room = 15 * parameters // 4  # bytes: under the 4 the whole model would take, over the shares' 3.5
     monkeypatch.setattr(memory, "device_memory", lambda d: (room, room) if d.type == "cpu" else (10**15, 10**15))
@@ -135,7 +133,7 @@ def device_with(monkeypatch):
         if stop_at_tokenizing:
             def not_yet(*args):
                 raise UsageError("the corpus would be tokenized now")
-            monkeypatch.setattr(training, "make_datasets", not_yet)
+            monkeypatch.setattr(run_data, "make_datasets", not_yet)
     return set_memory
 
 
@@ -225,7 +223,7 @@ def test_the_limit_of_a_nested_cgroup_counts_with_what_it_already_uses(tmp_path,
 def test_on_a_gpu_the_host_memory_the_model_passes_through_is_checked_too(monkeypatch):
     """The fp32 model is built in CPU memory before it moves to the GPU, and each save copies
     its state back there: a model the GPU can hold but the host cannot is refused as well."""
-    cfg = training.parse_args(["--model", "tiny", "--seq-len", "32"])
+    cfg = config.parse_args(["--model", "tiny", "--seq-len", "32"])
     monkeypatch.setattr(memory, "device_memory",
                         lambda device: (10**15, 10**15) if device.type == "cuda" else (10**6, 10**6))
     check = memory.Check(cfg, 8, torch.bfloat16, torch.device("cuda", 0))

@@ -18,8 +18,7 @@ import pytest
 import torch
 
 import data
-import metrics
-import training
+from training import build, config, metrics, run_data
 from conftest import FAST, FLOOR_MULTIPLE, assert_within, launch_env, run_script, script_in_process
 from conftest import metrics as rows_of  # the rows of a run's metrics.jsonl (this module imports metrics.py)
 from model import IGNORE_INDEX
@@ -29,9 +28,9 @@ ONE_STEP = ["--max-steps", "1"]
 
 def training_windows(runs, out: Path, extra=()) -> tuple:
     """(the flags, the training dataset) of the run in `out`, made again here with its tokenizer."""
-    cfg = training.parse_args(["--dataset", str(runs.corpus), *FAST, *extra, "--out-dir", str(runs.root / "unused")])
-    train_text, val_text, _ = training.load_text(cfg)
-    train_ds, _ = training.make_datasets(cfg, data.load_tokenizer(out / "tokenizer.json"), train_text, val_text)
+    cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST, *extra, "--out-dir", str(runs.root / "unused")])
+    train_text, val_text, _ = run_data.load_text(cfg)
+    train_ds, _ = run_data.make_datasets(cfg, data.load_tokenizer(out / "tokenizer.json"), train_text, val_text)
     return cfg, train_ds
 
 
@@ -39,7 +38,7 @@ def first_step_gradients(runs, out: Path) -> list[torch.Tensor]:
     """The gradients of step 1, computed here without the training loop: the seeded initial
     weights, the first global batch of the sampler's permutation, the mean over its real targets."""
     cfg, train_ds = training_windows(runs, out)
-    model = training.build_model(cfg, data.load_tokenizer(out / "tokenizer.json").get_vocab_size(), torch.float32)
+    model = build.model(cfg, data.load_tokenizer(out / "tokenizer.json").get_vocab_size(), torch.float32)
     sampler = data.ResumableRandomSampler(train_ds, cfg.seed)
     sampler.set_epoch(0)
     x, y = torch.utils.data.default_collate([train_ds[i] for i in itertools.islice(sampler, cfg.batch_size)])
@@ -97,7 +96,7 @@ def test_data_wait_fraction_is_the_share_of_step_time_spent_waiting_for_a_batch(
     """The Speedometer's own clock: one interval of 2 steps, 3 s, 1 s of it inside waiting()."""
     clock = iter([100.0, 100.5, 101.5, 103.0, 103.0])  # start, wait begins, wait ends, row, next start
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
-    cfg = training.parse_args(FAST)
+    cfg = config.parse_args(FAST)
     speedometer = metrics.Speedometer(cfg, flops_per_token=10, peak=None, device=torch.device("cpu"), tokens_seen=50)
     with speedometer.waiting():
         speedometer.step()
@@ -235,7 +234,7 @@ def test_wandb_offline_holds_the_run_its_config_and_its_history_and_a_resume_con
 
 
 def tracker_config(tmp_path, *flags):
-    return training.parse_args(["--out-dir", str(tmp_path / "out"), *flags])
+    return config.parse_args(["--out-dir", str(tmp_path / "out"), *flags])
 
 
 def test_a_wandb_run_file_claiming_steps_metrics_jsonl_never_logged_is_one_line(tmp_path):
@@ -303,8 +302,8 @@ def test_tensorboard_that_cannot_write_after_wandb_started_leaves_no_run_file_be
     (tmp_path / "out").mkdir()
     with pytest.raises(metrics.UsageError, match="--tensorboard: cannot write"):
         metrics.MetricsLog(cfg, enabled=True, facts={"documents": 1})
-    import checkpointing
-    assert not checkpointing.resuming(str(tmp_path / "out"), resume=False)  # the rerun starts: nothing refuses it
+    from training import resume
+    assert not resume.resuming(str(tmp_path / "out"), resume=False)  # the rerun starts: nothing refuses it
     assert not (tmp_path / "out" / "wandb-run.txt").exists()
 
 

@@ -4,7 +4,6 @@ so a packed run trains the model a padded one trains, with almost no compute on 
 and everything that holds for padded runs holds packed (DP, DDP, FSDP, accumulation,
 resume, evaluation, the memory estimate, compile, activation checkpointing)."""
 
-import json
 import os
 import re
 
@@ -14,21 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import corpus
 import data
-import memory
-import packed_attention
-import packing
-import training
 from conftest import (FAST, FLOOR_MULTIPLE, assert_same_model, assert_within, load_weights, metrics, run_script,
-                      stopped_at_step_4,
-                      train)
+                      stopped_at_step_4, train)
 from data import PaddedSequenceDataset
-from packing import PackedSequenceDataset
-from errors import UsageError
 from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, LlamaRotaryEmbedding
 from test_bad_inputs import refused_in_process
 from test_memory import saved_for_backward
+from training import build, config, corpus, evaluation, memory, packed_attention, packing, run_data
+from training.packing import PackedSequenceDataset
 
 PACK = ["--pack"]
 
@@ -452,9 +445,9 @@ def test_a_packed_run_resumes_bitwise_across_an_epoch_boundary(runs, tmp_path):
 
 def packed_datasets(runs, out):
     """(the flags, the training and the held-out datasets) of a packed run, made again here."""
-    cfg = training.parse_args(["--dataset", str(runs.corpus), *FAST, *PACK, "--out-dir", str(runs.root / "unused")])
-    train_text, val_text, _ = training.load_text(cfg)
-    return cfg, *training.make_datasets(cfg, data.load_tokenizer(out / "tokenizer.json"), train_text, val_text)
+    cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST, *PACK, "--out-dir", str(runs.root / "unused")])
+    train_text, val_text, _ = run_data.load_text(cfg)
+    return cfg, *run_data.make_datasets(cfg, data.load_tokenizer(out / "tokenizer.json"), train_text, val_text)
 
 
 def test_a_packed_evaluation_gives_the_padded_evaluations_loss_and_bits_per_byte(runs, floor):
@@ -464,14 +457,14 @@ def test_a_packed_evaluation_gives_the_padded_evaluations_loss_and_bits_per_byte
     out = runs("dp_pack", "train_dp.py", PACK)
     cfg, _, packed_val = packed_datasets(runs, out)
     padded_val = PaddedSequenceDataset(packed_val.rows, 32, packed_val.pad_id, text_bytes=packed_val.text_bytes)
-    model = training.build_model(cfg, 300, torch.float32)
+    model = build.model(cfg, 300, torch.float32)
     model.load_state_dict(load_weights(out))
     last = [row for row in metrics(out) if "val_loss" in row][-1]
 
     def evaluated(ds, order):
         loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ds, order), batch_size=8)
-        loss_sum, n = training.evaluate(model, loader, torch.device("cpu"))
-        return loss_sum / n, training.bits_per_byte(loss_sum, ds)
+        loss_sum, n = evaluation.evaluate(model, loader, torch.device("cpu"))
+        return loss_sum / n, evaluation.bits_per_byte(loss_sum, ds)
 
     padded = evaluated(padded_val, range(len(padded_val)))
     reversed_order = evaluated(padded_val, range(len(padded_val) - 1, -1, -1))

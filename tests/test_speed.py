@@ -12,13 +12,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-import checkpointing
-import training
-from errors import UsageError
-from metrics import devices_in_use, peak_tflops, throughput
 from conftest import (BF16, FAST, FP32_LIKE_BF16, REPO, assert_follows_in_bf16, assert_same_model, load_weights,
                       metrics, spied, train)
 from model import LlamaConfig, LlamaForPretraining
+from training import config, launch, weights
+from training.errors import UsageError
+from training.metrics import devices_in_use, peak_tflops, throughput
 
 
 def test_flops_per_token_matches_pytorchs_flop_counter():
@@ -40,9 +39,9 @@ def test_auto_picks_bf16_only_on_cpus_with_amx(monkeypatch, amx, auto):
     every machine."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     cpu = torch.device("cpu")
-    assert training.compute_dtype("auto", cpu) == auto
-    assert training.compute_dtype("fp32", cpu) == torch.float32
-    assert training.compute_dtype("bf16", cpu) == torch.bfloat16  # asked for: slow without AMX, but it works
+    assert launch.compute_dtype("auto", cpu) == auto
+    assert launch.compute_dtype("fp32", cpu) == torch.float32
+    assert launch.compute_dtype("bf16", cpu) == torch.bfloat16  # asked for: slow without AMX, but it works
 
 
 @pytest.mark.parametrize("gpu, capability, auto", [
@@ -57,13 +56,13 @@ def test_auto_picks_bf16_only_on_gpus_that_compute_it_natively(monkeypatch, gpu,
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
     device = torch.device("cuda", 0)
-    assert training.compute_dtype("auto", device) == auto
-    assert training.compute_dtype("fp32", device) == torch.float32
+    assert launch.compute_dtype("auto", device) == auto
+    assert launch.compute_dtype("fp32", device) == torch.float32
     if auto == torch.bfloat16:
-        assert training.compute_dtype("bf16", device) == torch.bfloat16
+        assert launch.compute_dtype("bf16", device) == torch.bfloat16
     else:
         with pytest.raises(UsageError, match=f"--dtype bf16: {gpu} has no native bf16"):
-            training.compute_dtype("bf16", device)
+            launch.compute_dtype("bf16", device)
 
 
 # The names torch.cuda.get_device_name() reports, and each one's dense bf16 peak (TFLOP/s)
@@ -91,7 +90,7 @@ def test_a_pause_for_a_save_or_an_evaluation_starts_once_the_gpu_has_run_the_ste
     nothing must first wait for those steps, or their time is counted as the pause's and the
     logged throughput is overstated. A step that neither saves nor evaluates waits for nothing.
     A clock of our own: the GPU's queued steps take 5 s, the evaluation 100 s, later steps 1.5 s."""
-    import metrics
+    from training import metrics
     clock, syncs = [0.0], []
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
 
@@ -100,7 +99,7 @@ def test_a_pause_for_a_save_or_an_evaluation_starts_once_the_gpu_has_run_the_ste
         clock[0] += 5.0  # the queued steps run to their end
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     monkeypatch.setattr(metrics, "cuda_memory", lambda device: {})
-    cfg = training.parse_args(["--batch-size", "8", "--seq-len", "32"])
+    cfg = config.parse_args(["--batch-size", "8", "--seq-len", "32"])
     gpu = torch.device("cuda", 0)
     speedometer = metrics.Speedometer(cfg, flops_per_token=10**6, peak=None, device=gpu)
     speedometer.step()  # queued, at no cost to the host
@@ -116,11 +115,11 @@ def test_a_pause_for_a_save_or_an_evaluation_starts_once_the_gpu_has_run_the_ste
 
 
 def test_the_tutorials_fp32_rows_of_the_benchmark_run_in_full_fp32_and_ours_as_the_trainers_set_it(monkeypatch):
-    """On a GPU, training.compute_dtype sets fp32 matmuls to TF32 ("high") before bench.py's
+    """On a GPU, launch.compute_dtype sets fp32 matmuls to TF32 ("high") before bench.py's
     tables: the tutorial's rows must not inherit it (torch's default is full fp32), or "Nx the
     tutorial" compares against a faster tutorial than the one published. TF32 is then a row
     of its own."""
-    import bench
+    from benchmarks import bench
     monkeypatch.setattr(bench, "build", lambda args, device, dtype, compile_model: None)
     monkeypatch.setattr(bench, "time_steps", lambda args, model, batches, device, mask, loss_inside:
                         {"precision": torch.get_float32_matmul_precision()})
@@ -145,7 +144,7 @@ def test_mfu_divides_by_the_peak_of_every_gpu_at_work(monkeypatch):
     assert peak_tflops(gpu, torch.bfloat16, n_devices=4) == 4 * 756
     assert peak_tflops(gpu, torch.float32) is None  # no MFU against a peak we don't use
     assert peak_tflops(torch.device("cpu"), torch.bfloat16) is None
-    cfg = training.parse_args(["--batch-size", "64", "--seq-len", "512"])
+    cfg = config.parse_args(["--batch-size", "64", "--seq-len", "512"])
     speed = throughput(2.0, steps=10, cfg=cfg, nonpad_tokens=300_000, flops_per_token=10**9, peak=4 * 756)
     assert speed["tokens_per_s"] == 10 * 64 * 512 / 2.0 and speed["tokens_per_s_nonpad"] == 150_000
     assert speed["tflops"] == pytest.approx(163.84) and speed["flops_per_token"] == 10**9
@@ -184,7 +183,7 @@ def test_compiled_run_trains_the_same_model_and_its_checkpoints_load_into_a_plai
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
     assert {"tokens_per_s", "tokens_per_s_nonpad", "flops_per_token", "tflops"} <= rows[-1].keys()
     # model.pt has plain keys and loads strictly; the step-4 checkpoint resumes without --compile
-    checkpointing.load_trained(compiled)
+    weights.load_trained(compiled)
     out = tmp_path / "resumed"
     shutil.copytree(compiled, out)
     for later in ("checkpoint.pt", "checkpoint-00000008.pt", "model.pt"):
@@ -197,7 +196,7 @@ def test_bench_runs_every_row_and_writes_its_table(tmp_path, capsys):
     """bench.py at toy size, in this process (its workers are spawned): one process, DDP and
     FSDP at world sizes 1 and 2 (gloo), the ablation, and the memory each rank holds: FSDP's
     ranks hold half of what DDP's do."""
-    import bench
+    from benchmarks import bench
     out = tmp_path / "bench.json"
     bench.main(["--steps", "1", "--warmup", "1", "--seq-len", "32", "--batch-size", "4", "--json", str(out)])
     printed = capsys.readouterr().out
@@ -227,7 +226,7 @@ def test_bench_memory_measures_every_row_in_a_process_of_its_own_and_estimates_w
     """bench_memory.py at toy size: every row and batch measured (each in a fresh process),
     the bytes a token beside the estimate, and the largest micro-batch for both presets. The
     figures themselves are the benchmark's to report, not a test's to bound."""
-    import bench_memory
+    from benchmarks import bench_memory
     out = tmp_path / "bench_memory.json"
     bench_memory.main(["--model", "tiny", "--batch", "1", "2", "--seq-len", "32", "--steps", "1", "--json", str(out)])
     printed = capsys.readouterr().out
@@ -245,7 +244,7 @@ def test_bench_on_one_gpu_and_without_fsdp_still_prints_every_table(tmp_path, mo
     which the README promises for DP and DDP: no fully_shard): Table 1 holds the rows it could
     measure, the ratios only those, and Tables 2-3 and bench.json still come out. (Every row
     is made up: the test above measures them all for real.)"""
-    import bench
+    from benchmarks import bench
     import torch.distributed.fsdp as fsdp
     monkeypatch.delattr(fsdp, "fully_shard")
     row = {"steps_per_s": 2.0, "peak_mem_gb": 0.5, "state_gb": 0.25}
@@ -274,17 +273,17 @@ def test_a_spawned_bench_worker_reports_its_own_peak_memory_not_its_parents():
     """On a CPU each DDP/FSDP row gives every rank's peak RSS. ru_maxrss would give each
     worker at least the peak of the bench process that started it (Linux carries it across
     fork and exec); bench.peak_rss_gb gives the worker's own."""
-    import bench
+    from benchmarks import bench
     held = bytearray(2**30)  # this process now holds 1 GiB more...
     held[::4096] = b"x" * len(held[::4096])  # ...resident: one byte in every page
-    child = subprocess.run([sys.executable, "-c", "import bench; print(bench.peak_rss_gb())"], cwd=REPO,
+    child = subprocess.run([sys.executable, "-c", "from benchmarks import bench; print(bench.peak_rss_gb())"], cwd=REPO,
                            capture_output=True, text=True, check=True)
     assert bench.peak_rss_gb() > 1.0 > float(child.stdout)  # the child imported torch, far below 1 GiB
     del held
 
 
 def test_bench_grouping_without_fsdp_is_one_line_and_exit_2(monkeypatch, capsys):
-    import bench_grouping
+    from benchmarks import bench_grouping
     import torch.distributed.fsdp as fsdp
     monkeypatch.delattr(fsdp, "fully_shard")
     monkeypatch.setattr("sys.argv", ["bench_grouping.py"])
@@ -298,7 +297,7 @@ def test_bench_grouping_without_fsdp_is_one_line_and_exit_2(monkeypatch, capsys)
 def _ddp_options_worker(rank, store_path, results):
     import os
     import torch.distributed as dist
-    from launcher import DDP_OPTIONS
+    from training.launch import DDP_OPTIONS
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.set_num_threads(1)
     # a FileStore: no port to pick and lose before it is bound (gloo binds its own)
@@ -324,7 +323,7 @@ def _ddp_options_worker(rank, store_path, results):
 
 
 def test_ddp_keeps_gradients_in_its_buckets_and_sends_no_buffers_each_step(tmp_path):
-    """launcher.DDP_OPTIONS, as train_ddp.py builds DDP, on 2 gloo ranks: gradients are views into the all-reduce
+    """launch.DDP_OPTIONS, as train_ddp.py builds DDP, on 2 gloo ranks: gradients are views into the all-reduce
     buckets (no copy in and out), and a forward broadcasts no buffers: rank 1's own RoPE table
     survives it (with DDP's default, rank 0's would overwrite it before every forward)."""
     import torch.multiprocessing as mp

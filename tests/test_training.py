@@ -8,14 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpointing
-import corpus
 import data
-import training
 from conftest import (FAST, FAST_WITH_TOKENIZER, FLOOR_MULTIPLE, assert_same_model, assert_same_weights, ddp_two_ranks,
                       load_weights, max_weight_diff, metrics, run_in_process, run_script, script_in_process, spied,
                       stopped_at_step_4, train)
 from model import IGNORE_INDEX, LlamaForPretraining
+from training import build, config, corpus, launch, pt_checkpoint, resume, run_data, turns, weights
 
 # DDP at 2 ranks adds gradients up in another order than one process does, so weights agree
 # to rounding, not bitwise: within a multiple of the rounding floor measured on this machine
@@ -25,10 +23,10 @@ from model import IGNORE_INDEX, LlamaForPretraining
 def test_ranks_hold_different_numbers_of_pad_tokens(corpus):
     """Guard for the equivalence tests below: with this corpus the two ranks' halves of a
     global batch differ in real tokens, so a per-rank mean loss would train a different model."""
-    cfg = training.parse_args(["--dataset", str(corpus), *FAST])
-    train_text, val_text, _ = training.load_text(cfg)
+    cfg = config.parse_args(["--dataset", str(corpus), *FAST])
+    train_text, val_text, _ = run_data.load_text(cfg)
     tokenizer = data.train_tokenizer(train_text, cfg.vocab_size)
-    train_ds, _ = training.make_datasets(cfg, tokenizer, train_text, val_text)
+    train_ds, _ = run_data.make_datasets(cfg, tokenizer, train_text, val_text)
     real_tokens = []
     for rank in range(2):
         sampler = data.ResumableDistributedSampler(train_ds, num_replicas=2, rank=rank, seed=cfg.seed, drop_last=True)
@@ -91,7 +89,7 @@ def test_output_folder_holds_what_the_readme_promises(runs):
         "metrics.jsonl", "model.pt", "tokenizer.json"]
     assert (out / "checkpoint.pt").samefile(out / "checkpoint-00000008.pt")  # one file, two names
     # model.pt is a plain state_dict that loads strictly into a fresh model
-    model, _ = checkpointing.load_trained(out)
+    model, _ = weights.load_trained(out)
     state = torch.load(out / "model.pt", map_location="cpu", weights_only=True)
     assert not [k for k in state if k.startswith(("module.", "_orig_mod."))]
     assert model.state_dict().keys() == state.keys()  # every weight, nothing else
@@ -146,7 +144,7 @@ def test_ddp_compiles_each_layer_and_the_lm_head_apart_so_no_graph_spans_a_bucke
     real_compile = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: real_compile(self, backend=counting))
     torch._dynamo.reset()
-    model = training.build_model(training.parse_args(["--vocab-size", "300"]), 300, torch.float32)
+    model = build.model(config.parse_args(["--vocab-size", "300"]), 300, torch.float32)
     real_compile(model.base_model.layers[0], backend=counting)  # one layer alone, without DDP
     ids = torch.randint(0, 300, (1, 8))
     model(ids, ids)
@@ -234,14 +232,14 @@ def test_ddp_all_reduces_gradients_only_on_the_last_micro_step(runs, tmp_path, m
     monkeypatch.setattr(DistributedDataParallel, "__init__", init_and_count)
     run_in_process("train_ddp.py", ["--dataset", str(runs.corpus), *FAST, "--grad-accum", "4", "--max-steps", "3",
                                     "--out-dir", str(tmp_path / "run")])
-    n_params = sum(p.numel() for p in checkpointing.load_trained(tmp_path / "run")[0].parameters())
+    n_params = sum(p.numel() for p in weights.load_trained(tmp_path / "run")[0].parameters())
     assert sum(reduced) == 3 * n_params  # every gradient once in each of 3 steps, not 4 times
 
 
 def test_the_learning_rate_warms_up_linearly_then_decays_to_zero_on_a_cosine():
-    cfg = training.parse_args(["--lr", "0.002", "--warmup-steps", "10"])
+    cfg = config.parse_args(["--lr", "0.002", "--warmup-steps", "10"])
     model = torch.nn.Linear(4, 4)
-    optimizer, scheduler = training.make_optimizer(model, cfg, total_steps=110)
+    optimizer, scheduler = build.optimizer(model, cfg, total_steps=110)
     lrs = []
     for _ in range(111):
         lrs.append(scheduler.get_last_lr()[0])
@@ -256,9 +254,9 @@ def test_the_learning_rate_warms_up_linearly_then_decays_to_zero_on_a_cosine():
 
 
 def test_weight_decay_applies_to_matrices_and_embeddings_not_to_norm_gains(corpus):
-    cfg = training.parse_args(["--dataset", str(corpus), *FAST, "--weight-decay", "0.1"])
-    model = training.build_model(cfg, vocab_size=300, dtype=torch.float32)
-    optimizer, _ = training.make_optimizer(model, cfg, total_steps=8)
+    cfg = config.parse_args(["--dataset", str(corpus), *FAST, "--weight-decay", "0.1"])
+    model = build.model(cfg, vocab_size=300, dtype=torch.float32)
+    optimizer, _ = build.optimizer(model, cfg, total_steps=8)
     group_of = {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
     decays = {name: group_of[id(p)] for name, p in model.named_parameters()}
     assert len(decays) == len(list(model.parameters()))  # every parameter in exactly one group
@@ -310,7 +308,7 @@ def test_compile_under_ddp_on_two_ranks_trains_the_same_model(runs, floor):
     assert_same_model(compiled, ddp_two_ranks(runs), floor)
     state = load_weights(compiled)
     assert all(w.dtype == torch.float32 for w in state.values())
-    model, _ = checkpointing.load_trained(compiled)  # plain keys: loads strictly into a plain model
+    model, _ = weights.load_trained(compiled)  # plain keys: loads strictly into a plain model
     last = torch.load(compiled / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]  # step 8's
     assert all(torch.equal(model.state_dict()[k], last[k]) for k in state)
 
@@ -319,8 +317,8 @@ def test_the_start_up_line_and_the_first_metrics_row_count_every_token_of_the_tr
     """Counted again here from the run's own tokenizer: every training document's tokens and
     its [EOT] are targets, in ceil(targets / 32) windows of 32 predictions each."""
     out = runs("dp", "train_dp.py")
-    cfg = training.parse_args(["--dataset", str(runs.corpus), *FAST])
-    train_text, _, _ = training.load_text(cfg)
+    cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST])
+    train_text, _, _ = run_data.load_text(cfg)
     tokenizer = data.text_only(data.load_tokenizer(out / "tokenizer.json"))
     targets = [len(e.ids) + 1 for e in tokenizer.encode_batch(train_text["text"], add_special_tokens=False)]
     windows, tokens = sum(-(-n // 32) for n in targets), sum(targets)
@@ -345,9 +343,9 @@ def test_bits_per_byte_is_the_held_out_loss_over_the_bytes_of_the_held_out_text(
     logged = [row for row in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
               if "val_bpb" in row]
     assert len(logged) == 2  # --eval-every 4 of 8 steps: every evaluation logs it
-    cfg = training.parse_args(["--dataset", str(runs.corpus), *FAST])
-    _, val_text, _ = training.load_text(cfg)
-    model, tokenizer = checkpointing.load_trained(out)
+    cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST])
+    _, val_text, _ = run_data.load_text(cfg)
+    model, tokenizer = weights.load_trained(out)
     nats = 0.0
     with torch.no_grad():
         for window in windows_of_whole_documents(val_text["text"], tokenizer, 32):
@@ -360,15 +358,15 @@ def test_bits_per_byte_is_the_held_out_loss_over_the_bytes_of_the_held_out_text(
 def test_rank_0_alone_hashes_the_corpus_and_every_rank_gets_its_fingerprint(runs, monkeypatch):
     """Hashing the corpus takes about 3 s a GB: once per job, on rank 0, not once per rank.
     Here as rank 1 sees it: the fingerprint comes from rank 0 (InTurns.from_rank0)."""
-    cfg = training.parse_args(["--dataset", str(runs.corpus), *FAST])
+    cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST])
     from_rank0 = corpus.fingerprint(corpus.load_corpus(str(runs.corpus)))
 
-    class Rank1(training.OneProcess):
+    class Rank1(turns.OneProcess):
         def from_rank0(self, fn):
             return from_rank0
 
     monkeypatch.setattr(corpus, "fingerprint", lambda documents: pytest.fail("a rank other than 0 hashed the corpus"))
-    train_text, val_text, fingerprint = training.load_text(cfg, None, Rank1())
+    train_text, val_text, fingerprint = run_data.load_text(cfg, None, Rank1())
     assert fingerprint == from_rank0 and len(train_text) + len(val_text) == from_rank0["documents"]
 
 
@@ -378,9 +376,9 @@ def test_fp32_matmuls_on_cuda_use_tf32_and_on_a_cpu_stay_full_fp32():
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
-        assert training.compute_dtype("fp32", torch.device("cpu")) == torch.float32
+        assert launch.compute_dtype("fp32", torch.device("cpu")) == torch.float32
         assert torch.get_float32_matmul_precision() == "highest"
-        assert training.compute_dtype("fp32", torch.device("cuda", 0)) == torch.float32
+        assert launch.compute_dtype("fp32", torch.device("cuda", 0)) == torch.float32
         assert torch.get_float32_matmul_precision() == "high"
     finally:
         torch.set_float32_matmul_precision(before)
@@ -393,14 +391,14 @@ def test_a_resumed_rank_keeps_no_copy_of_the_checkpoint_and_lets_its_file_go(run
     copy of the weights and optimizer state through the run."""
     import gc
     out = runs.copy(runs("dp", "train_dp.py"), tmp_path / "run")
-    cfg = training.parse_args(["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), "--resume"])
-    ckpt = checkpointing.load_latest_checkpoint(out)
+    cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), "--resume"])
+    ckpt = pt_checkpoint.load_latest_checkpoint(out)
     path = str(Path(ckpt["path"]).resolve())
     assert path in Path("/proc/self/maps").read_text()  # mapped, not read
 
-    model = training.build_model(cfg, ckpt["model_config"]["vocab_size"], torch.float32)
-    optimizer, scheduler = training.make_optimizer(model, cfg, total_steps=8)
-    assert training.resume(ckpt, cfg, model, optimizer, scheduler, ckpt["steps_per_epoch"]) == 8
+    model = build.model(cfg, ckpt["model_config"]["vocab_size"], torch.float32)
+    optimizer, scheduler = build.optimizer(model, cfg, total_steps=8)
+    assert resume.from_checkpoint(ckpt, cfg, model, optimizer, scheduler, ckpt["steps_per_epoch"]) == 8
     assert ckpt == {}
     gc.collect()
     assert path not in Path("/proc/self/maps").read_text()
@@ -418,8 +416,8 @@ def test_init_from_starts_a_new_run_at_the_trained_weights_with_a_fresh_schedule
     and its tokenizer, so its first logged loss is near where that run ended, not where it
     began; the optimizer, the LR schedule and the data position start afresh."""
     first, warm = runs("dp", "train_dp.py"), tmp_path / "warm"
-    cfg = training.parse_args(["--dataset", str(runs.corpus), *WARM, "--init-from", str(first)])
-    start = training.build_model(cfg, 300, torch.float32).state_dict()
+    cfg = config.parse_args(["--dataset", str(runs.corpus), *WARM, "--init-from", str(first)])
+    start = build.model(cfg, 300, torch.float32).state_dict()
     assert all(torch.equal(start[k], v) for k, v in load_weights(first).items())
     train("train_dp.py", ["--dataset", str(runs.corpus), *WARM, "--init-from", str(first), "--out-dir", str(warm)])
     before, after = ([row for row in metrics(run) if "loss" in row] for run in (first, warm))
@@ -444,6 +442,6 @@ def test_init_from_works_under_ddp_and_fsdp_and_from_a_sharded_checkpoint(runs, 
         assert_same_model(trained[script], trained["train_dp.py"], floor)
     sharded = fsdp_two_ranks(runs)
     at_step_8 = sharded / "checkpoint-00000008"
-    cfg = training.parse_args(["--dataset", str(runs.corpus), *WARM, "--init-from", str(at_step_8)])
-    start = training.build_model(cfg, 300, torch.float32).state_dict()
+    cfg = config.parse_args(["--dataset", str(runs.corpus), *WARM, "--init-from", str(at_step_8)])
+    start = build.model(cfg, 300, torch.float32).state_dict()
     assert all(torch.equal(start[k], v) for k, v in load_weights(sharded).items())

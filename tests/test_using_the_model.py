@@ -11,17 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpointing
-import export_hf
-import generate
-import metrics
-import plot_metrics
-import training
 from conftest import FAST, REPO, run_in_process, script_in_process
 from data import BOT, EOT, PAD, text_only
-from errors import UsageError
 from model import LlamaConfig, LlamaForPretraining
 from test_bad_inputs import swap_special_token_ids
+from tools import export_hf, generate, plot_metrics
+from training import config, metrics, weights
+from training.errors import UsageError
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +96,9 @@ def expected_text(model, tokenizer, prompt_text, n):
 
 
 def test_generate_script_prints_the_greedy_continuation_and_repeats_a_seeded_sample(trained, capsys):
-    model, tokenizer = checkpointing.load_trained(trained)
+    model, tokenizer = weights.load_trained(trained)
     args = [str(trained), "--prompt", "the model", "--max-new-tokens", "24"]
-    assert script_in_process("generate.py", [*args, "--temperature", "0"]) == 0
+    assert script_in_process("tools/generate.py", [*args, "--temperature", "0"]) == 0
     greedy = capsys.readouterr().out
     assert greedy == expected_text(model, tokenizer, "the model", 24)
     assert len(greedy) > len("the model\n") and not any(token in greedy for token in (PAD, BOT, EOT))
@@ -116,7 +112,7 @@ def test_generate_stays_within_the_trained_context_unless_asked_and_then_says_so
     """Trained at --seq-len 32 (RoPE reaches 1,024): with no --max-new-tokens the prompt and
     its continuation fill at most 32 positions; asked for more, it generates them after one
     warning line."""
-    model, tokenizer = checkpointing.load_trained(trained)
+    model, tokenizer = weights.load_trained(trained)
     prompt = 1 + len(tokenizer.encode("the model", add_special_tokens=False).ids)  # [BOT] first
     lengths, real = [], generate.generate
     monkeypatch.setattr(generate, "generate", lambda m, ids, n, *a, **k: lengths.append(len(ids) + n) or
@@ -140,7 +136,7 @@ def test_an_unfinished_run_samples_from_its_newest_checkpoint_and_says_so(traine
     printed = capsys.readouterr()
     assert printed.err.strip() == (f"warning: no model.pt in {out} (the run has not finished): "
                                    "using checkpoint.pt, step 8")
-    model, tokenizer = checkpointing.load_trained(trained)  # step 8's weights are the final ones
+    model, tokenizer = weights.load_trained(trained)  # step 8's weights are the final ones
     assert printed.out == expected_text(model, tokenizer, "the", 4)
 
 
@@ -281,8 +277,8 @@ def test_a_prompt_that_spells_out_a_special_token_is_text(trained, capsys):
 
 
 def test_bad_input_to_the_tools_is_one_line_on_stderr(tmp_path, capsys):
-    for script, args in [("generate.py", [str(tmp_path)]), ("export_hf.py", [str(tmp_path), str(tmp_path / "hf")]),
-                         ("plot_metrics.py", [str(tmp_path), "-o", str(tmp_path / "p.png")])]:
+    for script, args in [("tools/generate.py", [str(tmp_path)]), ("tools/export_hf.py", [str(tmp_path), str(tmp_path / "hf")]),
+                         ("tools/plot_metrics.py", [str(tmp_path), "-o", str(tmp_path / "p.png")])]:
         assert script_in_process(script, args) == 2, script
         printed = capsys.readouterr()
         assert printed.out == "" and len(printed.err.splitlines()) == 1 and printed.err.startswith("error: "), printed
@@ -344,7 +340,7 @@ def test_transformers_loads_the_export_with_our_logits_tokens_and_greedy_text(tr
     theirs = transformers.LlamaForCausalLM.from_pretrained(hf).eval()
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
     assert isinstance(hf_tokenizer, transformers.PreTrainedTokenizerFast)
-    ours, tokenizer = checkpointing.load_trained(trained)
+    ours, tokenizer = weights.load_trained(trained)
 
     ids = torch.randint(0, ours.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -427,7 +423,7 @@ def test_plot_names_the_file_it_writes_and_refuses_what_it_cannot(trained, tmp_p
 
 def test_plot_without_matplotlib_says_how_to_get_it(trained, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
-    assert script_in_process("plot_metrics.py", [str(trained), "-o", str(tmp_path / "p.png")]) == 2
+    assert script_in_process("tools/plot_metrics.py", [str(trained), "-o", str(tmp_path / "p.png")]) == 2
     assert capsys.readouterr().err == "error: plot_metrics.py needs matplotlib: pip install matplotlib\n"
     assert not (tmp_path / "p.png").exists()
 
@@ -447,13 +443,13 @@ def test_a_finished_run_ends_with_a_summary_of_steps_tokens_losses_and_files(run
     real = sum(512 * row["tokens_per_s_nonpad"] / row["tokens_per_s"] for row in rows if "loss" in row)
     assert abs(int(tokens.group(1).replace(",", "")) - real) < 1 and real < 2_048
     assert summary[1] == f"weights in {out}/model.pt, with tokenizer.json, config.json and metrics.jsonl beside them"
-    assert summary[2:] == [f"  sample:   python generate.py {out} --prompt 'The '",
-                           f"  export:   python export_hf.py {out} {out}-hf",
-                           f"  plot:     python plot_metrics.py {out} -o {out}/metrics.png"]
+    assert summary[2:] == [f"  sample:   python tools/generate.py {out} --prompt 'The '",
+                           f"  export:   python tools/export_hf.py {out} {out}-hf",
+                           f"  plot:     python tools/plot_metrics.py {out} -o {out}/metrics.png"]
 
 
 def test_the_summary_counts_only_the_steps_of_this_session():
-    cfg = training.TrainConfig(out_dir="out", batch_size=64, seq_len=512)
+    cfg = config.TrainConfig(out_dir="out", batch_size=64, seq_len=512)
     text = metrics.summary(cfg, step=3000, total_steps=10000, first_step=1000, trained=49_000_000, seconds=3725.4,
                            loss=3.25, val_loss=None, preempted=True, checkpoint=Path("out/checkpoint.pt"))
     assert text.splitlines() == [
@@ -464,22 +460,22 @@ def test_the_summary_counts_only_the_steps_of_this_session():
 
 def test_the_summary_quotes_paths_so_its_commands_paste_into_a_shell():
     import shlex
-    cfg = training.TrainConfig(out_dir="my runs/ü 1", batch_size=8, seq_len=32, dataset="c.txt")
+    cfg = config.TrainConfig(out_dir="my runs/ü 1", batch_size=8, seq_len=32, dataset="c.txt")
     lines = metrics.summary(cfg, step=8, total_steps=8, first_step=0, trained=200, seconds=3.0, loss=1.0, val_loss=1.0,
                             preempted=False, checkpoint=Path("my runs/ü 1/checkpoint.pt")).splitlines()
-    assert shlex.split(lines[2].split(":", 1)[1]) == ["python", "generate.py", "my runs/ü 1", "--prompt", "The "]
-    assert shlex.split(lines[3].split(":", 1)[1]) == ["python", "export_hf.py", "my runs/ü 1", "my runs/ü 1-hf"]
-    assert shlex.split(lines[4].split(":", 1)[1]) == ["python", "plot_metrics.py", "my runs/ü 1", "-o",
+    assert shlex.split(lines[2].split(":", 1)[1]) == ["python", "tools/generate.py", "my runs/ü 1", "--prompt", "The "]
+    assert shlex.split(lines[3].split(":", 1)[1]) == ["python", "tools/export_hf.py", "my runs/ü 1", "my runs/ü 1-hf"]
+    assert shlex.split(lines[4].split(":", 1)[1]) == ["python", "tools/plot_metrics.py", "my runs/ü 1", "-o",
                                                       "my runs/ü 1/metrics.png"]
 
 
 def test_a_warmup_as_long_as_the_run_is_warned_about(capsys):
-    cfg = training.TrainConfig(warmup_steps=100, max_steps=50, epochs=1)
-    assert training.total_steps(cfg, steps_per_epoch=80) == 50
+    cfg = config.TrainConfig(warmup_steps=100, max_steps=50, epochs=1)
+    assert config.total_steps(cfg, steps_per_epoch=80) == 50
     assert capsys.readouterr().err == ("warning: --warmup-steps 100 is not shorter than the run (50 steps): the "
                                        "learning rate is still warming up when the run ends, and never decays\n")
-    cfg = training.TrainConfig(warmup_steps=10, max_steps=50, epochs=1)
-    assert training.total_steps(cfg, steps_per_epoch=80) == 50 and capsys.readouterr().err == ""
+    cfg = config.TrainConfig(warmup_steps=10, max_steps=50, epochs=1)
+    assert config.total_steps(cfg, steps_per_epoch=80) == 50 and capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -492,8 +488,8 @@ def test_weights_that_are_not_finite_give_one_line_not_a_traceback_or_empty_text
     state = torch.load(trained / "model.pt", weights_only=True)
     state["base_model.norm.weight"][0] = bad
     torch.save(state, out / "model.pt")
-    for script, args in [("generate.py", [str(out), "--temperature", "0"]),
-                         ("export_hf.py", [str(out), str(tmp_path / "hf")])]:
+    for script, args in [("tools/generate.py", [str(out), "--temperature", "0"]),
+                         ("tools/export_hf.py", [str(out), str(tmp_path / "hf")])]:
         assert script_in_process(script, args) == 2, script
         printed = capsys.readouterr()
         assert printed.err == (f"error: the weights in {out} are not finite (base_model.norm.weight holds NaN, inf "
@@ -506,7 +502,7 @@ def test_a_plot_that_cannot_be_written_is_one_line(trained, tmp_path, capsys, ma
     """A folder where the image would go, or a FIFO (whose write would block forever)."""
     pytest.importorskip("matplotlib")
     make(tmp_path / "taken.svg")
-    assert script_in_process("plot_metrics.py", [str(trained), "-o", str(tmp_path / "taken.svg")]) == 2
+    assert script_in_process("tools/plot_metrics.py", [str(trained), "-o", str(tmp_path / "taken.svg")]) == 2
     printed = capsys.readouterr()
     assert printed.err == f"error: --output {tmp_path / 'taken.svg'} exists and is not a file: choose another name\n"
 
@@ -518,6 +514,6 @@ def test_a_metrics_row_holding_what_no_run_logs_is_one_line(trained, tmp_path, c
     out = shutil.copytree(trained, tmp_path / "run")
     with open(out / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 9, "loss": {"a": 1}}) + "\n" + json.dumps({"step": 10, "loss": 1.0}) + "\n")
-    assert script_in_process("plot_metrics.py", [str(out), "-o", str(tmp_path / "p.png")]) == 2
+    assert script_in_process("tools/plot_metrics.py", [str(out), "-o", str(tmp_path / "p.png")]) == 2
     assert capsys.readouterr().err.startswith(f"error: {out / 'metrics.jsonl'}, line ")
     assert not (tmp_path / "p.png").exists()

@@ -1,8 +1,8 @@
 """Plot training and validation loss, and real (non-pad) tokens/s, against step for one or
 more runs.
 
-    python plot_metrics.py out                          # writes metrics.png
-    python plot_metrics.py run-a run-b -o compare.png   # runs overlaid, one colour each
+    python tools/plot_metrics.py out                          # writes metrics.png
+    python tools/plot_metrics.py run-a run-b -o compare.png   # runs overlaid, one colour each
 
 Reads metrics.jsonl from each output folder. Needs matplotlib (pip install matplotlib),
 which training does not.
@@ -10,13 +10,13 @@ which training does not.
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
-import launcher
-import metrics
-import training
-from checkpointing import METRICS
-from errors import UsageError, first_line, path_argument
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
+from training import errors, metrics, stopping  # noqa: E402
+from training.errors import UsageError, first_line, path_argument  # noqa: E402
+from training.run_folder import METRICS  # noqa: E402
 
 
 def read_metrics(out_dir: str) -> list[dict]:
@@ -87,7 +87,7 @@ def plot(runs: dict[str, list[dict]], output: str, plt):
 
 
 def main(argv=None):
-    parser = training.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = errors.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dirs", nargs="+", type=path_argument, help="output folders of training runs")
     parser.add_argument("-o", "--output", default="metrics.png", type=path_argument, help="image to write (PNG unless its suffix "
                         "names another format, such as .svg or .pdf)")
@@ -107,4 +107,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    launcher.exit_on_usage_error(main)
+    stopping.exit_on_usage_error(main)

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import torch
 
-import corpus
-from checkpointing import CONFIG, METRICS, MODEL, TENSORBOARD, TOKENIZER, WANDB_RUN, atomic_save, raise_if_disk_full
-from config import TrainConfig
-from errors import UsageError, first_line
-from launcher import usable_cores, warn
 from model import LlamaForPretraining
+from training import corpus
+from training.config import TrainConfig
+from training.errors import UsageError, first_line, warn
+from training.files import atomic_save, raise_if_disk_full
+from training.launch import usable_cores
+from training.run_folder import CONFIG, METRICS, MODEL, TENSORBOARD, TOKENIZER, WANDB_RUN
 
 # Dense bf16 tensor-core peaks in TFLOP/s (with fp32 accumulation, without 2:4 sparsity, whose
 # figure data sheets print first at twice this), for MFU. The first key found as whole words in
@@ -392,6 +393,6 @@ def summary(cfg: TrainConfig, step: int, total_steps: int, first_step: int, trai
     q = shlex.quote  # commands that paste into a shell whatever the folder's name
     return "\n".join(report + [
         f"weights in {out / MODEL}, with {TOKENIZER}, {CONFIG} and {METRICS} beside them",
-        f"  sample:   python generate.py {q(str(out))} --prompt {q(prompt)}",
-        f"  export:   python export_hf.py {q(str(out))} {q(str(out) + '-hf')}",
-        f"  plot:     python plot_metrics.py {q(str(out))} -o {q(str(out / 'metrics.png'))}"])
+        f"  sample:   python tools/generate.py {q(str(out))} --prompt {q(prompt)}",
+        f"  export:   python tools/export_hf.py {q(str(out))} {q(str(out) + '-hf')}",
+        f"  plot:     python tools/plot_metrics.py {q(str(out))} -o {q(str(out / 'metrics.png'))}"])

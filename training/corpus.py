@@ -15,8 +15,7 @@ from pathlib import Path
 import datasets
 import pyarrow.compute
 
-from errors import UsageError, first_line
-from launcher import warn
+from training.errors import UsageError, first_line, warn
 
 EMBEDDED_CORPUS = "stdlib"
 # local file suffix -> the `datasets` builder that reads it

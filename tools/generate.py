@@ -1,7 +1,7 @@
 """Sample text from a trained model.
 
-    python generate.py out --prompt "def main(" --max-new-tokens 200
-    python generate.py out --prompt "import os" --temperature 0      # greedy: always the same text
+    python tools/generate.py out --prompt "def main(" --max-new-tokens 200
+    python tools/generate.py out --prompt "import os" --temperature 0      # greedy: always the same text
 
 Reads config.json, tokenizer.json and model.pt from the output folder of any of the three
 training scripts (or its newest checkpoint while the run is unfinished). The prompt is framed
@@ -14,15 +14,16 @@ in a KV cache, so a token costs the same at position 1000 as at position 10.
 
 import argparse
 import math
+import sys
+from pathlib import Path
 
 import torch
 
-import checkpointing
-import launcher
-import training
-from data import BOT, EOT, text_only
-from errors import UsageError, path_argument
-from model import LlamaForPretraining
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
+from data import BOT, EOT, text_only  # noqa: E402
+from model import LlamaForPretraining  # noqa: E402
+from training import errors, stopping, weights  # noqa: E402
+from training.errors import UsageError, path_argument  # noqa: E402
 
 
 MIN_TEMPERATURE = 1e-3  # sharper than this is greedy in all but name; use 0
@@ -61,7 +62,7 @@ def generate(model: LlamaForPretraining, prompt_ids: list[int], max_new_tokens: 
 
 
 def parse_args(argv=None):
-    parser = training.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = errors.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", type=path_argument, help="output folder of a training run")
     parser.add_argument("--prompt", default="", help="text to continue (default: none, sample from scratch)")
     parser.add_argument("--max-new-tokens", type=int, help="tokens to generate at most (default: 200, or fewer "
@@ -90,7 +91,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    model, tokenizer = checkpointing.load_trained(args.out_dir)
+    model, tokenizer = weights.load_trained(args.out_dir)
     # the prompt is text: a literal "[EOT]" in it is encoded as text, as in training (data.text_only)
     text_ids = text_only(tokenizer).encode(args.prompt, add_special_tokens=False).ids
     prompt_ids = [tokenizer.token_to_id(BOT)] + text_ids
@@ -101,7 +102,7 @@ def main(argv=None):
         asked = f"plus --max-new-tokens {max_new_tokens}" if args.max_new_tokens else "and one new token"
         raise UsageError(f"the prompt ({len(prompt_ids)} tokens) {asked} exceed the model's {room} positions")
     if len(prompt_ids) + max_new_tokens > trained:  # RoPE reaches there; the model has never been
-        launcher.warn(f"the model was trained on sequences of {trained} tokens: the prompt ({len(prompt_ids)} "
+        errors.warn(f"the model was trained on sequences of {trained} tokens: the prompt ({len(prompt_ids)} "
                       f"tokens) plus {max_new_tokens} new ones go past what it has seen")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     generator = torch.Generator(device).manual_seed(args.seed)
@@ -112,4 +113,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    launcher.exit_on_usage_error(main)
+    stopping.exit_on_usage_error(main)

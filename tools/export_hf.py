@@ -1,6 +1,6 @@
 """Export a trained model to the Hugging Face format, for the tools of the Llama ecosystem.
 
-    python export_hf.py out out-hf
+    python tools/export_hf.py out out-hf
 
     from transformers import AutoTokenizer, LlamaForCausalLM
     model = LlamaForCausalLM.from_pretrained("out-hf")
@@ -17,17 +17,17 @@ import argparse
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from safetensors.torch import save
 from tokenizers import Tokenizer, processors
 
-import checkpointing
-import launcher
-import training
-from data import BOT, EOT, PAD
-from errors import UsageError, path_argument
-from model import LlamaForPretraining
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
+from data import BOT, EOT, PAD  # noqa: E402
+from model import LlamaForPretraining  # noqa: E402
+from training import errors, run_folder, stopping, weights  # noqa: E402
+from training.errors import UsageError, path_argument  # noqa: E402
 
 
 def hf_config(model: LlamaForPretraining, tokenizer: Tokenizer) -> dict:
@@ -77,13 +77,13 @@ def export(out_dir: str, hf_dir: str):
     hf = Path(hf_dir)
     if os.path.lexists(hf) and (hf.is_symlink() or not (hf.is_dir() and not any(hf.iterdir()))):
         raise UsageError(f"{hf} already exists: choose a new folder (nothing was written)")
-    checkpointing.check_writable(hf_dir, "the export folder")  # e.g. not under a regular file
+    run_folder.check_writable(hf_dir, "the export folder")  # e.g. not under a regular file
     partial = hf.with_name(f".{hf.name}.partial")  # complete, or not there at all
     if os.path.lexists(partial):  # an export that was interrupted; anything else there is not ours to delete
         if partial.is_symlink() or not partial.is_dir() or not {p.name for p in partial.iterdir()} <= EXPORT_FILES:
             raise UsageError(f"{partial} is in the way, and is not an unfinished export: move it away (nothing was "
                              "written)")
-    model, tokenizer = checkpointing.load_trained(out_dir)
+    model, tokenizer = weights.load_trained(out_dir)
     tokens = {"bos_token": BOT, "eos_token": EOT, "pad_token": PAD}
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -108,7 +108,7 @@ def export(out_dir: str, hf_dir: str):
 
 
 def main(argv=None):
-    parser = training.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = errors.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", type=path_argument, help="output folder of a training run")
     parser.add_argument("hf_dir", type=path_argument, help="new folder for the Hugging Face files")
     args = parser.parse_args(argv)
@@ -116,4 +116,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    launcher.exit_on_usage_error(main)
+    stopping.exit_on_usage_error(main)

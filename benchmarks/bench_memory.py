@@ -27,6 +27,9 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
 
 VARIANTS = {"decoder alone": [], "full logits": [], "chunked loss": [], "+ act. checkpointing": []}
 
@@ -58,11 +61,11 @@ def measure_one(args, variant: str, batch: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    import training
+    from training import config
     from model import IGNORE_INDEX, PRESETS, LlamaConfig, LlamaForPretraining
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    vocab_size = training.TRAINING_PRESETS[args.model]["vocab_size"]
+    vocab_size = config.TRAINING_PRESETS[args.model]["vocab_size"]
     torch.manual_seed(0)
     model = LlamaForPretraining(LlamaConfig(vocab_size=vocab_size, **PRESETS[args.model])).to(device)
     model.compute_dtype = dtype
@@ -115,10 +118,10 @@ def run_row(args, variant: str, batch: int) -> dict:
 def estimates_per_token(args) -> dict:
     import torch
 
-    import memory
-    import training
     from model import PRESETS, LlamaConfig
-    config = LlamaConfig(vocab_size=training.TRAINING_PRESETS[args.model]["vocab_size"], **PRESETS[args.model])
+    from training import memory
+    from training.config import TRAINING_PRESETS
+    config = LlamaConfig(vocab_size=TRAINING_PRESETS[args.model]["vocab_size"], **PRESETS[args.model])
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     return {"chunked loss": memory.activation_bytes_per_token(config, dtype),
             "+ act. checkpointing": memory.activation_bytes_per_token(config, dtype, checkpointing=True)}
@@ -135,13 +138,13 @@ def fits_table(args) -> list:
     """The largest micro-batch of seq_len tokens whose estimate (memory.py) fits --gpu-gb."""
     import torch
 
-    import memory
-    import training
     from model import PRESETS, LlamaConfig
+    from training import memory
+    from training.config import TRAINING_PRESETS
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     rows = []
     for preset in ("article", "1b"):
-        config = LlamaConfig(vocab_size=training.TRAINING_PRESETS[preset]["vocab_size"], **PRESETS[preset])
+        config = LlamaConfig(vocab_size=TRAINING_PRESETS[preset]["vocab_size"], **PRESETS[preset])
         for ranks in (1, 2, 4, 8):
             for checkpointing in (False, True):
                 def need(batch):

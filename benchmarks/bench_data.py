@@ -14,7 +14,7 @@ Two rows, each on a fresh `datasets` cache, with the same tokenizer (a BPE train
 sample, not timed), over the same full texts:
   raw encode_batch   tokenizer.encode_batch over every whole document, on every core: the
                      ceiling for tokenizing them
-  ours               training.load_text + training.make_datasets, as the trainers call them:
+  ours               run_data.load_text + run_data.make_datasets, as the trainers call them:
                      load, split, encode every document whole and cut it into windows
 MB/s counts the UTF-8 bytes of the documents' text.
 
@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
 
 H100_TOKENS_PER_S = 470_936  # bench.py on one H100: the article model, 64 x 512, bf16, compiled
 FINEWEB_COLUMNS = ("text", "id", "dump", "url", "date", "file_path", "language", "language_score", "token_count")
@@ -56,7 +58,7 @@ def parse_args():
 
 def word_frequencies():
     """Words and their counts, from the Python standard library's text (on every machine)."""
-    import corpus
+    from training import corpus
     counts = {}
     for doc in corpus.stdlib_documents(corpus.stdlib_files()[:400]):
         for word in re.findall(r"[a-z]{2,12}", doc["text"].lower()):
@@ -123,11 +125,11 @@ def raw_encode_batch(texts, tokenizer):
 
 
 def ours(cfg, tokenizer, made: dict):
-    """What train_dp.py and train_ddp.py run, given --tokenizer (the training set is kept in made)."""
-    import training
+    """What the three scripts run, given --tokenizer (the training set is kept in made)."""
+    from training import run_data
     start = time.perf_counter()
-    train_text, val_text, _ = training.load_text(cfg)
-    made["train"], _ = training.make_datasets(cfg, tokenizer, train_text, val_text)
+    train_text, val_text, _ = run_data.load_text(cfg)
+    made["train"], _ = run_data.make_datasets(cfg, tokenizer, train_text, val_text)
     return time.perf_counter() - start
 
 
@@ -169,7 +171,7 @@ def launch_to_first_step(path, out_dir, extra=()):
     env = {**os.environ, "HF_HOME": tempfile.mkdtemp(prefix="bench_data_hf_")}
     cmd = [sys.executable, "train_dp.py", "--dataset", str(path), "--out-dir", out_dir, *extra]
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True)
     for line in proc.stdout:
         if "parameters |" in line:
@@ -186,8 +188,7 @@ def main():
     import datasets
     import pyarrow.parquet as pq
     import data
-    import launcher
-    import training
+    from training import config, launch
     datasets.logging.set_verbosity_error()
 
     path = Path(args.data) if args.data else Path(args.data_dir) / f"fineweb_like_{args.mb}mb.parquet"
@@ -197,7 +198,7 @@ def main():
         generate(path, args.mb)
     texts = [t for t in pq.read_table(path, columns=["text"]).column("text").to_pylist() if t and t.strip()]
     megabytes = sum(len(t.encode()) for t in texts) / 1e6
-    cores = launcher.usable_cores()
+    cores = launch.usable_cores()
     print(f"{path.name}: {len(texts):,} documents, {megabytes:.0f} MB of text | {cores} cores | "
           f"--seq-len {args.seq_len} | BPE of {args.vocab_size:,} tokens", flush=True)
 
@@ -206,12 +207,12 @@ def main():
         sample = datasets.Dataset.from_dict({"text": texts[:20_000]})
         data.train_tokenizer(sample, args.vocab_size).save(str(tokenizer_path))
     tokenizer = data.load_tokenizer(tokenizer_path)
-    cfg = training.parse_args(["--dataset", str(path), "--seq-len", str(args.seq_len), "--model", "article",
+    cfg = config.parse_args(["--dataset", str(path), "--seq-len", str(args.seq_len), "--model", "article",
                                "--tokenizer", str(tokenizer_path)])
 
     rows, made = [], {}
     for name, fn in (("raw encode_batch (the tokenizer alone)", lambda: raw_encode_batch(texts, tokenizer)),
-                     ("ours: training.load_text + make_datasets", lambda: ours(cfg, tokenizer, made))):
+                     ("ours: run_data.load_text + make_datasets", lambda: ours(cfg, tokenizer, made))):
         cache = fresh_cache()
         seconds = fn()
         rows.append((name, seconds))

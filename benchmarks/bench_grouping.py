@@ -16,14 +16,16 @@ on GPUs, peak RSS on a CPU.
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import bench
-import training
-from model import PRESETS, LlamaConfig, LlamaForPretraining
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
+from benchmarks import bench  # noqa: E402
+from model import PRESETS, LlamaConfig, LlamaForPretraining  # noqa: E402
+from training import config, launch  # noqa: E402
 
 
 def worker(rank, world_size, port, args, variant, results):
@@ -35,8 +37,8 @@ def worker(rank, world_size, port, args, variant, results):
     device = bench.join_world(rank, world_size, port)
     cuda = device.type == "cuda"
     mesh = init_device_mesh(device.type, (world_size,))
-    dtype = training.compute_dtype("auto", device)
-    vocab_size = training.TRAINING_PRESETS[args.model]["vocab_size"]
+    dtype = launch.compute_dtype("auto", device)
+    vocab_size = config.TRAINING_PRESETS[args.model]["vocab_size"]
     with torch.device("meta"):
         model = LlamaForPretraining(LlamaConfig(vocab_size=vocab_size, **PRESETS[args.model]))
     if variant == "ours":

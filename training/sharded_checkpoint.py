@@ -1,4 +1,5 @@
-"""Sharded checkpoints for train_fsdp.py, with torch.distributed.checkpoint (DCP).
+"""Sharded checkpoints for train_fsdp.py, with torch.distributed.checkpoint (DCP): the sibling
+of pt_checkpoint.py, over the same base (checkpoint.py).
 
 Under FSDP no rank holds the whole model or optimizer, and none should gather them to save:
 every rank writes its own shards, in parallel. A checkpoint is a folder:
@@ -18,8 +19,8 @@ import io
 import os
 import pickle
 import shutil
-import threading
 import warnings
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,11 +32,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-import corpus
-from checkpointing import (CheckpointWriter, _fsync_dir, _nbytes, atomic_save, check_checkpoint, disk_full, load_pt,
-                           sharded_checkpoints, to_prune)
-from errors import UsageError, first_line
-from launcher import warn
+from training import checkpoint, corpus, files
+from training.errors import UsageError, first_line, warn
+from training.run_folder import sharded_checkpoints
 
 TRAIN_STATE = "train_state.pt"
 
@@ -143,8 +142,8 @@ def load_latest_checkpoint(out_dir) -> dict:
             if not (path / ".metadata").is_file():
                 raise UsageError(f"{path} has no .metadata: not a complete checkpoint")
             read_metadata(path)
-            ckpt = load_pt(path / TRAIN_STATE, "checkpoint")
-            check_checkpoint(ckpt, path / TRAIN_STATE, sharded=True)
+            ckpt = files.load_pt(path / TRAIN_STATE, "checkpoint")
+            checkpoint.check_checkpoint(ckpt, path / TRAIN_STATE, sharded=True)
         except UsageError as e:
             failures.append(str(e))
             continue
@@ -155,18 +154,16 @@ def load_latest_checkpoint(out_dir) -> dict:
     raise UsageError(failures[0] if failures else f"{out_dir} holds no sharded checkpoint")
 
 
-class ShardedCheckpointWriter(CheckpointWriter):
+class ShardedCheckpointWriter(checkpoint.CheckpointWriter):
     """Saves sharded checkpoints without stalling training for the disk. save() is a
     collective: every rank copies its shards to CPU memory (the only part training waits
     for) and writes them from a background thread, coordinated over a gloo group of the
     writer's own, not over the group training uses. When all ranks have written, rank 0 adds
-    the train state and renames the folder into place. One save at a time: the next one, and
-    the end of the run, wait for the previous one (wait() is CheckpointWriter's). Creating
-    it is a collective too (the group)."""
+    the train state and renames the folder into place. Creating it is a collective too (the
+    group)."""
 
     def __init__(self, out_dir: str, keep: int, timeout_minutes: float):
         super().__init__(out_dir, keep)
-        self.out = Path(out_dir)
         # Its own group: the main thread's collectives go on meanwhile, on the training group.
         # A save's waits are bounded like a training collective's: a rank that dies mid-save
         # ends the others' wait within --timeout-minutes.
@@ -175,8 +172,7 @@ class ShardedCheckpointWriter(CheckpointWriter):
     def checkpoint_at(self, step: int) -> Path:
         return self.out / f"checkpoint-{step:08d}"
 
-    def save(self, model, optimizer, train_state: dict):
-        self.wait()
+    def _stage(self, model, optimizer, train_state: dict):
         final = self.checkpoint_at(train_state["step"])
         tmp = final.with_name(final.name + ".tmp")
         if dist.get_rank() == 0:
@@ -190,41 +186,36 @@ class ShardedCheckpointWriter(CheckpointWriter):
         writer = FileSystemWriter(tmp, per_thread_copy_ahead=0)
         future = dcp.async_save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer,
                                 process_group=self.group)
-        nbytes = _nbytes([model_state, optimizer_state, train_state])  # a DTensor counts its whole size
-        self.thread = threading.Thread(target=self._finish, args=(future, tmp, final, train_state, nbytes),
-                                       name="checkpoint-writer")
-        self.thread.start()
+        nbytes = files.nbytes([model_state, optimizer_state, train_state])  # a DTensor counts its whole size
+        return partial(self._finish, future, tmp, final, train_state, nbytes)
 
     def _finish(self, future, tmp: Path, final: Path, train_state: dict, nbytes: int):
+        error = None
         try:
-            error = None
-            try:
-                future.result()  # this rank's shards are written; on rank 0, every rank's and .metadata too
-                if dist.get_rank() == 0:
-                    atomic_save(train_state, tmp / TRAIN_STATE)
-            except BaseException as e:
-                error = e
-            # Every rank learns whether any rank failed, and whether for want of space (which
-            # only the rank that wrote can tell: the disk is full now, not once the partial
-            # folder is gone), so that all of them stop with the same one line.
-            outcome = (error is not None, error and disk_full(_own_failure(error), tmp, nbytes))
-            outcomes = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(outcomes, outcome, group=self.group)
-            if any(failed for failed, _ in outcomes):
-                if dist.get_rank() == 0:
-                    shutil.rmtree(tmp, ignore_errors=True)  # a full disk would stay full
-                full = next((message for _, message in outcomes if message), None)
-                if full:
-                    raise UsageError(full.replace(str(tmp), str(final)))
-                raise error or UsageError(f"saving {final} failed on another rank")
+            future.result()  # this rank's shards are written; on rank 0, every rank's and .metadata too
             if dist.get_rank() == 0:
-                shutil.rmtree(final, ignore_errors=True)  # only if a restarted run saves the same step again
-                os.replace(tmp, final)  # the checkpoint becomes visible, complete
-                _fsync_dir(self.out)
-                for old in to_prune(sharded_checkpoints(self.out), final, self.keep):
-                    shutil.rmtree(old)
-        except BaseException as e:  # re-raised in the training thread by wait()
-            self.error = e
+                files.atomic_save(train_state, tmp / TRAIN_STATE)
+        except BaseException as e:
+            error = e
+        # Every rank learns whether any rank failed, and whether for want of space (which
+        # only the rank that wrote can tell: the disk is full now, not once the partial
+        # folder is gone), so that all of them stop with the same one line.
+        outcome = (error is not None, error and files.disk_full(_own_failure(error), tmp, nbytes))
+        outcomes = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(outcomes, outcome, group=self.group)
+        if any(failed for failed, _ in outcomes):
+            if dist.get_rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # a full disk would stay full
+            full = next((message for _, message in outcomes if message), None)
+            if full:
+                raise UsageError(full.replace(str(tmp), str(final)))
+            raise error or UsageError(f"saving {final} failed on another rank")
+        if dist.get_rank() == 0:
+            shutil.rmtree(final, ignore_errors=True)  # only if a restarted run saves the same step again
+            os.replace(tmp, final)  # the checkpoint becomes visible, complete
+            files.fsync_dir(self.out)
+            for old in checkpoint.to_prune(sharded_checkpoints(self.out), final, self.keep):
+                shutil.rmtree(old)
 
 
 def _own_failure(error: BaseException) -> BaseException:

@@ -43,12 +43,10 @@ from pathlib import Path
 
 import torch
 
-import chunked_loss
-import packed_attention
-from config import TrainConfig
-from errors import UsageError
-from launcher import warn
 from model import PRESETS, LlamaConfig, LlamaForPretraining
+from training import chunked_loss, packed_attention
+from training.config import TrainConfig
+from training.errors import UsageError, warn
 
 BYTES_PER_PARAMETER = 4 + 4 + 8  # fp32 weight, its gradient, AdamW's exp_avg and exp_avg_sq
 
@@ -124,7 +122,7 @@ def estimate(config: LlamaConfig, micro_batch: int, seq_len: int, dtype: torch.d
              packed: bool = False) -> Estimate:
     """What one process holds while it trains; shards: the ranks FSDP spreads the state over
     (1: one process, DataParallel, DDP); on_gpu: the device is a GPU, where AdamW is fused
-    (training.make_optimizer) and saves copy the state into host memory; checkpointing:
+    (build.optimizer) and saves copy the state into host memory; checkpointing:
     --activation-checkpointing; compiled: --compile; packed: --pack."""
     n = _sizes(dataclasses.astuple(config))
     if dtype == torch.float32:
@@ -201,7 +199,7 @@ def cgroup_limits(own: str = "/proc/self/cgroup", mount: str = "/sys/fs/cgroup")
 
 @dataclass
 class Check:
-    """Called with the vocabulary size once the tokenizer is known (training.prepare_data),
+    """Called with the vocabulary size once the tokenizer is known (run_data.prepare),
     before the corpus is tokenized or anything is written: refuses a model whose state alone
     exceeds the device's memory; warns when the whole estimate exceeds what is available now.
     shards: the ranks FSDP spreads the state over (1: DataParallel, DDP)."""

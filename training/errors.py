@@ -1,6 +1,11 @@
-"""Errors the user can fix, and how they are shown: one line on stderr, never a traceback."""
+"""What the user is told: errors they can fix (one line on stderr, never a traceback) and
+warnings, each said once, by the process that speaks for the job."""
 
 import argparse
+import os
+import sys
+
+import torch.distributed as dist
 
 
 class UsageError(ValueError):
@@ -42,3 +47,19 @@ def first_line(e: BaseException) -> str:
     if lines[0].endswith(":") and len(lines) > 1:  # "Error(s) in loading state_dict for X:", the error below it
         return f"{lines[0]} {lines[1]}"
     return lines[0]
+
+
+def is_rank0() -> bool:
+    """Rank 0 of a job, or a plain `python` run: the process that speaks. Only processes that
+    really belong to a job keep quiet: members of a process group, and torchrun's workers
+    before it starts. A stray RANK variable in a plain run silences nothing."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun for its workers
+        return os.environ.get("RANK", "0") == "0"
+    return True
+
+
+def warn(message: str):
+    if is_rank0():
+        print(f"warning: {message}", file=sys.stderr)

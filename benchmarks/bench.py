@@ -25,16 +25,17 @@ import resource
 import socket
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-import launcher
-import metrics
-import training
-from model import IGNORE_INDEX, PRESETS, LlamaConfig, LlamaForPretraining
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
+from model import IGNORE_INDEX, PRESETS, LlamaConfig, LlamaForPretraining  # noqa: E402
+from training import config, launch, metrics  # noqa: E402
 
 def parse_args(argv=None):
     cuda = torch.cuda.is_available()
@@ -54,7 +55,7 @@ def parse_args(argv=None):
     if cuda and args.max_world_size > torch.cuda.device_count():  # one process per GPU
         p.error(f"--max-world-size {args.max_world_size}: this machine has {torch.cuda.device_count()} GPU(s)")
     args.compile = args.compile or cuda
-    preset = training.TRAINING_PRESETS[args.model]  # the sizes train_dp.py and train_ddp.py use
+    preset = config.TRAINING_PRESETS[args.model]  # the sizes the three scripts use
     args.vocab_size = preset["vocab_size"]
     args.seq_len = args.seq_len or preset["seq_len"]
     args.batch_size = args.batch_size or preset["batch_size"]
@@ -101,7 +102,7 @@ def model_config(args) -> LlamaConfig:
 def build(args, device, dtype, compile_model=False):
     torch.manual_seed(0)
     model = LlamaForPretraining(model_config(args)).to(device)
-    model.compute_dtype = dtype  # as training.build_model sets it: the model applies autocast itself
+    model.compute_dtype = dtype  # as build.model sets it: the model applies autocast itself
     if compile_model:
         model.compile()
     return model
@@ -218,7 +219,7 @@ def distributed_worker(rank, world_size, port, args, dtype, kinds, results):
                                      dtype)
         else:  # as train_ddp.py builds it
             model = nn.parallel.DistributedDataParallel(build(args, device, dtype), device_ids=[rank] if cuda else None,
-                                                        **launcher.DDP_OPTIONS)
+                                                        **launch.DDP_OPTIONS)
         row = time_steps(args, model, shard, device)
         if kind == "FSDP":  # freed before DDP's is built (DDP's reducer never is: see the end)
             del model
@@ -274,7 +275,7 @@ def memory_table(world_sizes=(1, 2, 4, 8)):
     rows = []
     for preset in ("article", "1b"):
         with torch.device("meta"):
-            vocab_size = training.TRAINING_PRESETS[preset]["vocab_size"]
+            vocab_size = config.TRAINING_PRESETS[preset]["vocab_size"]
             params = list(LlamaForPretraining(LlamaConfig(vocab_size=vocab_size, **PRESETS[preset])).parameters())
         full = sum(p.numel() for p in params)
         for n in world_sizes:
@@ -287,7 +288,7 @@ def memory_table(world_sizes=(1, 2, 4, 8)):
 
 def ablation_table(args, device, dtype, batches):
     """The tutorial's step, then each change alone, then ours. The tutorial's fp32 matmuls are
-    full fp32 (torch's default); ours on a GPU run fp32 matmuls on TF32 (training.compute_dtype
+    full fp32 (torch's default); ours on a GPU run fp32 matmuls on TF32 (launch.compute_dtype
     set that before this table), which is one of the changes, measured alone."""
     fp32, bf16 = torch.float32, torch.bfloat16
     ours = torch.get_float32_matmul_precision()  # "high" (TF32) on a GPU, as the trainers set it
@@ -332,7 +333,7 @@ def print_table(title, rows, args):
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    dtype = training.compute_dtype("auto", device)
+    dtype = launch.compute_dtype("auto", device)
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
     print(f"{name} | torch {torch.__version__} | {args.model} model | {args.batch_size} x {args.seq_len} tokens "
           f"per step | --dtype auto = {dtype} | {args.warmup} warm-up + {args.steps} timed steps per row")

@@ -13,7 +13,7 @@ import pyarrow.compute
 import torch
 
 from data import IGNORE_INDEX, PaddedSequenceDataset
-from errors import UsageError
+from training.errors import UsageError
 
 
 def pack(windows: datasets.Dataset, seq_len: int, seed: int) -> datasets.Dataset:

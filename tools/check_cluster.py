@@ -29,13 +29,15 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import launcher
-from launcher import usable_cores
-from errors import ArgumentParser, RankError, UsageError, first_line
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
+from training import errors, launch, stopping  # noqa: E402
+from training.errors import ArgumentParser, RankError, UsageError, first_line  # noqa: E402
+from training.launch import usable_cores  # noqa: E402
 
 # what decides where the ranks meet and over which network: printed when a wait fails
 NETWORK_ENV = ["MASTER_ADDR", "MASTER_PORT", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE",
@@ -151,7 +153,7 @@ def end(message: str, store=None):
         first = True  # no store to agree through: better twice than never
     if first:
         print(f"error: {message}", file=sys.stderr, flush=True)
-        launcher.tell_torchrun(f"error: {message}")  # torchrun's report shows it, not a link to its docs
+        stopping.tell_torchrun(f"error: {message}")  # torchrun's report shows it, not a link to its docs
     sys.stdout.flush()
     if store is not None:
         linger(store)
@@ -248,7 +250,7 @@ def main():
     args = parser.parse_args()
     if not 1 <= args.timeout_seconds <= 86400:  # inf and nan too: no deadline is no check
         raise UsageError(f"--timeout-seconds must be at least 1 and at most a day (86400), got {args.timeout_seconds:g}")
-    launcher.check_launch_environment(one_process=False)  # RANK, WORLD_SIZE...: whole numbers
+    launch.check_launch_environment(one_process=False)  # RANK, WORLD_SIZE...: whole numbers
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     cuda = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
@@ -264,7 +266,7 @@ def main():
     try:  # rank 0 hosts the store when there is no torchrun, and does not wait there for the
         # others: the first shared step below names who never came. Reaching it is bounded by
         # the store's timeout, which a connection spends twice (it tries again once): half each.
-        store = STORE = launcher.job_store(args.timeout_seconds / 2 / 60, wait_for_workers=False)
+        store = STORE = launch.job_store(args.timeout_seconds / 2 / 60, wait_for_workers=False)
     except (dist.DistError, RuntimeError) as e:
         where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         if rank == 0 and ("EADDRINUSE" in str(e) or "address already in use" in str(e).lower()):
@@ -322,7 +324,7 @@ def run():
     except Failed as e:  # before any teardown: a process group with a collective in trouble may never tear down
         end(str(e), STORE)
     except UsageError as e:  # bad flags or launch: every rank finds the same, and rank 0 says it, or one rank's own
-        if isinstance(e, RankError) or launcher.is_rank0():
+        if isinstance(e, RankError) or errors.is_rank0():
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

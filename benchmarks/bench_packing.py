@@ -6,7 +6,7 @@
 The corpus is bench_data.py's (generated once, FineWeb's shape: log-normal document lengths,
 median about 1,800 characters) with its 50,000-token BPE. For each --seq-len, two layouts of
 the same windows: padded (one window a row, the default) and packed (--pack):
-  preparation   training.load_text + make_datasets on a fresh `datasets` cache, as the
+  preparation   run_data.load_text + make_datasets on a fresh `datasets` cache, as the
                 trainers call them: packing adds its step to the same work, timed alone too
   padding       the share of an epoch's positions that hold no token
   loader        rows a second through the DataLoader as the trainers build it
@@ -22,7 +22,10 @@ import os
 import statistics
 import tempfile
 import time
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
 
 
 def parse_args():
@@ -44,11 +47,10 @@ def parse_args():
 
 def prepare(path, tokenizer_path, seq_len, pack):
     """make_datasets as the trainers call it, on a fresh cache: (seconds, of which packing's, train)."""
-    import bench_data
+    from benchmarks import bench_data
     import data
-    import packing
-    import training
-    cfg = training.parse_args(["--dataset", str(path), "--seq-len", str(seq_len), "--tokenizer", str(tokenizer_path),
+    from training import config, packing, run_data
+    cfg = config.parse_args(["--dataset", str(path), "--seq-len", str(seq_len), "--tokenizer", str(tokenizer_path),
                                *(["--pack"] if pack else [])])
     bench_data.fresh_cache()
     timings, real_pack = [], packing.pack
@@ -61,8 +63,8 @@ def prepare(path, tokenizer_path, seq_len, pack):
     packing.pack = timed_pack
     try:
         start = time.perf_counter()
-        train_text, val_text, _ = training.load_text(cfg)
-        train, _ = training.make_datasets(cfg, data.load_tokenizer(tokenizer_path), train_text, val_text)
+        train_text, val_text, _ = run_data.load_text(cfg)
+        train, _ = run_data.make_datasets(cfg, data.load_tokenizer(tokenizer_path), train_text, val_text)
         return time.perf_counter() - start, sum(timings), train
     finally:
         packing.pack = real_pack
@@ -72,20 +74,19 @@ def batches(dataset, batch_size, n, device):
     """n shuffled batches of the layout, on the device: (x, y, position_ids or None)."""
     import torch
     import data
-    import training
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=data.ResumableRandomSampler(dataset, 0),
                                          drop_last=True)
-    return [training.on_device(batch, device) for batch, _ in zip(loader, range(n))]
+    return [data.on_device(batch, device) for batch, _ in zip(loader, range(n))]
 
 
 def trainer(args, vocab_size, seq_len, device):
     """One optimizer step of the model the trainers build, on a batch: step(x, y, position_ids);
     the dtype it computes in, and its FLOPs a token (metrics' count, for MFU)."""
     import torch
-    import training
-    cfg = training.parse_args(["--model", args.model, "--seq-len", str(seq_len)])
-    dtype = training.compute_dtype("auto", device)
-    model = training.build_model(cfg, vocab_size, dtype, device)
+    from training import build, config, launch
+    cfg = config.parse_args(["--model", args.model, "--seq-len", str(seq_len)])
+    dtype = launch.compute_dtype("auto", device)
+    model = build.model(cfg, vocab_size, dtype, device)
     if device.type == "cuda":
         model.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -120,7 +121,7 @@ def attention_seconds(model: str, dtype, position_ids, repeats: int = 5) -> dict
     mask, which the model does once a forward for all its layers. The median of `repeats`."""
     import torch
     import torch.nn.functional as F
-    import packed_attention
+    from training import packed_attention
     from model import PRESETS
     shape = PRESETS[model]
     B, T = position_ids.shape
@@ -161,9 +162,9 @@ def main():
     import datasets
     import pyarrow.parquet as pq
     import torch
-    import bench_data
+    from benchmarks import bench_data
     import data
-    import metrics
+    from training import metrics
     datasets.logging.set_verbosity_error()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 

@@ -17,10 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import metrics
-import training
 
-HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
+from training import config, metrics  # noqa: E402
+
+HERE = Path(__file__).resolve().parents[1]  # the repository root: train_dp.py
 
 
 def timed(cls, name: str, spent: list):
@@ -54,7 +55,7 @@ def main():
         runpy.run_path(str(HERE / "train_dp.py"), run_name="__main__")
         wall = time.perf_counter() - started
         rows = [row for row in metrics.read_metrics(Path(tmp) / "run" / "metrics.jsonl") if "loss" in row]
-        cfg = training.parse_args(sys.argv[1:] + ["--resume"])  # the run's batch and sequence length
+        cfg = config.parse_args(sys.argv[1:] + ["--resume"])  # the run's batch and sequence length
     # seconds a step, by each row's own clock (saving and evaluation left out): the median
     per_step = sorted(cfg.batch_size * cfg.seq_len / row["tokens_per_s"] for row in rows)
     step = per_step[len(per_step) // 2]

@@ -1,4 +1,4 @@
-"""The flags of train_dp.py and train_ddp.py: one typed dataclass, TrainConfig, whose
+"""The flags of the three scripts: one typed dataclass, TrainConfig, whose
 fields declare their defaults, their bounds and whether a resumed run must keep them;
 the presets of --model; and the checks that run before anything else does.
 """
@@ -11,28 +11,28 @@ from pathlib import Path
 
 import torch
 
-import checkpointing
-import corpus
 import data
-from errors import ArgumentParser, UsageError
-from launcher import check_launch_environment, warn
 from model import PRESETS
+from training import corpus, run_folder, weights
+from training.errors import ArgumentParser, UsageError, warn
+from training.launch import check_launch_environment
 
 
-def flag(default, help, minimum=None, maximum=None, number=None, same_on_resume=False, ddp_only=False,
+def flag(default, help, minimum=None, maximum=None, number=None, same_on_resume=False, distributed_only=False,
          **argparse_kwargs):
     """A field of TrainConfig and the flag that sets it. minimum, maximum: the bounds of a
     number; number: "positive" or "non-negative" for a float; same_on_resume: a resumed run
     must keep the value (it decides the model, the data, the global batch or the LR
-    schedule); ddp_only: a flag of train_ddp.py alone."""
+    schedule); distributed_only: a flag of the torchrun scripts alone (train_ddp.py,
+    train_fsdp.py)."""
     return field(default=default, metadata=dict(help=help, minimum=minimum, maximum=maximum, number=number,
-                                                 ddp_only=ddp_only, same_on_resume=same_on_resume,
+                                                 distributed_only=distributed_only, same_on_resume=same_on_resume,
                                                  argparse=argparse_kwargs))
 
 
 @dataclass
 class TrainConfig:
-    """Every flag of both scripts. `None` for a preset-dependent field means "take it
+    """Every flag of the three scripts. `None` for a preset-dependent field means "take it
     from TRAINING_PRESETS for --model"."""
 
     # data
@@ -95,15 +95,15 @@ class TrainConfig:
     stop_at_step: int | None = flag(None, "save and exit after this step; continue later with --resume", minimum=1,
                                     type=int)
     keep_checkpoints: int = flag(2, "numbered checkpoints to keep; checkpoint.pt is always the newest", minimum=1)
-    # distributed (train_ddp.py)
-    backend: str | None = flag(None, "process-group backend (default: nccl on CUDA, gloo on CPU)", ddp_only=True,
-                               type=str, choices=["nccl", "gloo"])
+    # distributed (train_ddp.py, train_fsdp.py)
+    backend: str | None = flag(None, "process-group backend (default: nccl on CUDA, gloo on CPU)",
+                               distributed_only=True, type=str, choices=["nccl", "gloo"])
     timeout_minutes: float = flag(30.0, "how long a training collective may wait for the slowest rank before "
                                   "the job fails (PyTorch's default is 10)", number="positive", maximum=1e6,
-                                  ddp_only=True)
+                                  distributed_only=True)
     data_timeout_minutes: float = flag(24 * 60.0, "how long ranks wait for local rank 0 to download, train the "
                                        "tokenizer and tokenize (hours, for a large corpus on a cold cache)",
-                                       number="positive", maximum=1e6, ddp_only=True)
+                                       number="positive", maximum=1e6, distributed_only=True)
 
 
 # Defaults that depend on --model. `article` is the article's recipe (README.md); `tiny` is the demo
@@ -118,10 +118,12 @@ TRAINING_PRESETS = {
 }
 
 
-def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConfig:
+def parse_args(argv=None, distributed: bool = False, description: str = "") -> TrainConfig:
+    """The flags, checked. distributed: the script runs under torchrun (train_ddp.py, train_fsdp.py)
+    and takes its flags too."""
     parser = ArgumentParser(description=description)
     for f in dataclasses.fields(TrainConfig):
-        if f.metadata["ddp_only"] and not ddp:
+        if f.metadata["distributed_only"] and not distributed:
             continue
         name = "--" + f.name.replace("_", "-")
         if f.type is bool or f.type == "bool":
@@ -130,7 +132,7 @@ def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConf
             kwargs = {"type": type(f.default), **f.metadata["argparse"]}
             parser.add_argument(name, default=f.default, help=f.metadata["help"], **kwargs)
     cfg = TrainConfig(**vars(parser.parse_args(argv)))
-    check_launch_environment(one_process=not ddp)  # RANK, WORLD_SIZE...: whole numbers, as torchrun sets them
+    check_launch_environment(one_process=not distributed)  # RANK, WORLD_SIZE...: whole numbers, as torchrun sets them
     for name, value in vars(cfg).items():  # `--init-from "$UNSET"` must not mean "no --init-from"
         if isinstance(value, str) and not value.strip():
             raise UsageError(f"--{name.replace('_', '-')} is empty (an unset variable in a job script?): give it "
@@ -141,9 +143,9 @@ def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConf
         warn(f"--init-from {cfg.init_from} is ignored: --resume continues the run in --out-dir from its checkpoint")
         cfg.init_from = None
     if cfg.init_from:
-        out, weights = checkpointing.init_source(cfg.init_from)
-        theirs = data.load_tokenizer(out / checkpointing.TOKENIZER)
-        checkpointing.check_tokenizer(out, theirs, checkpointing.recorded_fingerprint(out))  # unedited
+        out, source = weights.init_source(cfg.init_from)
+        theirs = data.load_tokenizer(out / run_folder.TOKENIZER)
+        run_folder.check_tokenizer(out, theirs, run_folder.recorded_fingerprint(out))  # unedited
         if cfg.tokenizer:
             raise UsageError("--init-from brings its own tokenizer (the tokenizer.json beside its weights): leave "
                              "--tokenizer out")
@@ -153,13 +155,16 @@ def parse_args(argv=None, ddp: bool = False, description: str = "") -> TrainConf
                                  f"{theirs.get_vocab_size():,} tokens (their tokenizer.json comes with them): leave --vocab-size out")
             cfg.vocab_size = None
         # resolved once: every later step reads these weights, even if the source run saves again
-        cfg.init_from = str(weights)
-        cfg.tokenizer = str(out / checkpointing.TOKENIZER)  # the ids the weights were trained on
+        cfg.init_from = str(source)
+        cfg.tokenizer = str(out / run_folder.TOKENIZER)  # the ids the weights were trained on
     for key, value in TRAINING_PRESETS[cfg.model].items():
         # a tokenizer brings its vocabulary; so does a resumed run (its own tokenizer.json)
         if getattr(cfg, key) is None and not (key == "vocab_size" and (cfg.tokenizer or cfg.resume)):
             setattr(cfg, key, value)
     validate(cfg)
+    if cfg.compile and not distributed and cfg.device != "cpu" and torch.cuda.device_count() > 1:
+        raise UsageError("--compile does not work under nn.DataParallel (train_dp.py on several GPUs): use "
+                         "train_ddp.py")
     return cfg
 
 
@@ -189,7 +194,7 @@ def validate(cfg: TrainConfig):
         except ImportError:
             raise UsageError(f"--{package} needs the {package} package: pip install {package}") from None
     corpus.check_dataset_flags(cfg.dataset, cfg.dataset_config, cfg.split)
-    checkpointing.check_writable(cfg.out_dir)
+    run_folder.check_writable(cfg.out_dir)
     dataset = Path(cfg.dataset).expanduser()
     inside = dataset.is_dir() and Path(cfg.out_dir).resolve().is_relative_to(dataset.resolve())
     if inside and cfg.dataset != corpus.EMBEDDED_CORPUS:
@@ -203,3 +208,12 @@ def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
         raise UsageError(f"--batch-size {cfg.batch_size} is not divisible by world size {world_size} "
                          f"x --grad-accum {cfg.grad_accum}")
     return cfg.batch_size // (world_size * cfg.grad_accum)
+
+
+def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    all_epochs = cfg.epochs * steps_per_epoch
+    total = min(cfg.max_steps, all_epochs) if cfg.max_steps else all_epochs
+    if cfg.warmup_steps >= total:
+        warn(f"--warmup-steps {cfg.warmup_steps} is not shorter than the run ({total} steps): the learning rate "
+             "is still warming up when the run ends, and never decays")
+    return total

@@ -1,0 +1,1 @@
+"""Benchmarks anyone can rerun: python benchmarks/bench.py (figures: docs/benchmarks.md)."""

@@ -1,0 +1,1 @@
+"""What the three train_*.py scripts share, one idea a module (README.md lists them)."""

@@ -1,0 +1,100 @@
+"""Files written whole or not at all, and read without running code. Every file a run
+writes goes through atomic_save; every .pt file it reads, through load_pt.
+"""
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from training import corpus
+from training.errors import UsageError, first_line
+
+
+def atomic_save(obj, path: Path):
+    """Write to a temp file, flush it to disk, then rename: a crash mid-write leaves the
+    previous file intact, never a torn one. A failed write removes its temp file, and a
+    full disk is one line that says where and how much space is missing."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            if isinstance(obj, str):
+                f.write(obj.encode())
+            else:
+                torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
+        os.replace(tmp, path)
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        raise_if_disk_full(e, path, nbytes(obj))
+        raise
+    fsync_dir(path.parent)
+
+
+def raise_if_disk_full(error: BaseException, path: Path, needed: int):
+    """Turn a write that failed for want of space into one UsageError line."""
+    message = disk_full(error, path, needed)
+    if message:
+        raise UsageError(message) from None
+
+
+def disk_full(error: BaseException, path: Path, needed: int) -> str | None:
+    """The line for a write of `needed` bytes to `path` that failed for want of space, or None
+    if it failed for another reason. torch.save does not always say so itself ("unexpected
+    pos"): then the free space decides."""
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        return None
+    if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < needed:
+        mount = next(p for p in [path.parent.absolute(), *path.parent.absolute().parents] if os.path.ismount(p))
+        return (f"no space left to write {path} (on the disk mounted at {mount}): it needs about "
+                f"{needed / 1e6:,.1f} MB, {free / 1e6:,.1f} MB are free. Free some space, then run again "
+                "(with --resume if a checkpoint was saved)")
+    return None
+
+
+def nbytes(obj) -> int:
+    """About how many bytes saving obj writes: its tensors' and strings' sizes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, str):
+        return len(obj.encode())
+    if isinstance(obj, dict):
+        return sum(nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(nbytes(v) for v in obj)
+    return 8
+
+
+def fsync_dir(folder: Path):
+    """Make a rename within `folder` durable: the folder's own entry list, flushed to disk."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_pt(path, what: str):
+    """Read any .pt file of a run. weights_only: tensors and plain containers only, so a
+    crafted file cannot run code; map_location: every rank loads onto the CPU instead of
+    all onto GPU 0; mmap: the tensors stay in the file (the page cache, shared by every rank
+    of a node) until they are copied where they belong, instead of a private copy of the
+    weights and optimizer state in each rank's memory. A file that cannot be read is one
+    UsageError line."""
+    corpus.regular_file(path, what)  # a FIFO would block torch.load, a device feed it forever
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap can only be used" not in str(e):
+                raise
+            # torch.save's legacy format (_use_new_zipfile_serialization=False) cannot be
+            # memory-mapped: read whole, as safely
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UsageError(f"cannot load {what} {path}: {first_line(e)}") from None

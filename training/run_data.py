@@ -1,0 +1,117 @@
+"""A run's data, prepared in stages that the distributed scripts run in turns (turns.py):
+the checkpoint to continue, the corpus split into training and held-out documents, one
+tokenizer for the whole job, and the windows, tokenized once (`datasets` caches them).
+Nothing is written before every check has passed: a refused run leaves no trace.
+"""
+
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+import data
+from training import build, corpus, packing, resume, run_folder
+from training.config import TrainConfig
+from training.errors import UsageError, is_rank0, warn
+from training.run_folder import TOKENIZER
+from training.turns import OneProcess
+
+
+def prepare(cfg: TrainConfig, turns=OneProcess(), sharded: bool = False, model_fits=None):
+    """The checkpoint to resume from (None for a new run), the tokenizer, and the training
+    and held-out datasets. Tokenized once: `datasets` caches the result on disk. sharded:
+    the run's checkpoints are train_fsdp.py's. model_fits (a memory.Check): called with the
+    vocabulary size, as soon as it is known."""
+    resuming = turns.everywhere(lambda: resume.resuming(cfg.out_dir, cfg.resume))  # refuses to overwrite a run
+    ckpt = turns.everywhere(lambda: resume.load_run(cfg.out_dir, sharded)) if resuming else None
+    train_text, val_text, fingerprint = load_text(cfg, ckpt, turns)
+    # one tokenizer for the whole job: rank 0 trains (or loads) it and sends it to all
+    tokenizer = Tokenizer.from_str(turns.from_rank0(lambda: get_tokenizer(cfg, train_text, resuming).to_str()))
+    if model_fits:  # a model too big for the device is refused before tokenizing, and before anything is written
+        turns.everywhere(lambda: model_fits(tokenizer.get_vocab_size()))
+    if cfg.init_from:  # so is a model that --init-from's weights do not fit
+        turns.everywhere(lambda: build.check_init_from(cfg, tokenizer.get_vocab_size()))
+    train_ds, val_ds = turns.local_rank0_first(lambda: make_datasets(cfg, tokenizer, train_text, val_text, fingerprint))
+    turns.everywhere(lambda: claim_out_dir(cfg, ckpt))  # only now: a refused run creates nothing
+    return ckpt, tokenizer, train_ds, val_ds
+
+
+def claim_out_dir(cfg: TrainConfig, ckpt: dict | None):
+    """Rank 0 locks --out-dir for the whole run, then checks that nothing changed there while
+    the data was prepared: no other run has saved into it since our first look."""
+    if not is_rank0():
+        return
+    run_folder.lock_out_dir(cfg.out_dir)
+    resume.resuming(cfg.out_dir, cfg.resume)  # a new run still finds no run there
+    path = Path(ckpt["path"]) if ckpt else None
+    if path and (not path.exists() or path.stat().st_ino != ckpt["inode"]):
+        raise UsageError(f"{ckpt['path']} changed while this run prepared its data (another run saved "
+                         "into the folder): start again")
+
+
+def load_text(cfg: TrainConfig, ckpt: dict | None = None, turns=OneProcess()):
+    """The corpus, split into training and held-out documents, and its fingerprint. Each
+    node's local rank 0 loads it first (the others then read `datasets`' cache); rank 0 alone
+    hashes it (about 3 s a GB) and sends the fingerprint to all. A resumed run must read
+    exactly the documents its checkpoint was trained on."""
+    documents = turns.local_rank0_first(
+        lambda: corpus.load_corpus(cfg.dataset, cfg.dataset_config, cfg.split, cfg.text_column))
+    fingerprint = turns.from_rank0(lambda: corpus.fingerprint(documents))
+    return (*turns.everywhere(lambda: split_corpus(cfg, ckpt, documents, fingerprint)), fingerprint)
+
+
+def split_corpus(cfg: TrainConfig, ckpt: dict | None, documents, fingerprint: dict):
+    """Training and held-out documents, after checking that a resumed run reads its own."""
+    if ckpt is not None:
+        check_same_corpus(ckpt, fingerprint, cfg.dataset)
+    # --val-docs as the number it stands for (its default depends on the corpus), in this run's
+    # config and in the checkpoint's (None in one saved by a run that used the default), so that
+    # a resume compares the documents held out, not how they were asked for
+    cfg.val_docs = cfg.val_docs or corpus.default_val_docs(len(documents))
+    if ckpt is not None:  # the same corpus (checked above): the same default
+        ckpt["train_config"]["val_docs"] = ckpt["train_config"].get("val_docs") or corpus.default_val_docs(len(documents))
+    return corpus.split_train_val(documents, cfg.val_docs, cfg.seed)
+
+
+def check_same_corpus(ckpt: dict, fingerprint: dict, dataset: str):
+    was = ckpt.get("corpus")
+    if was is None:  # written before checkpoints recorded their data
+        warn(f"{Path(ckpt['path']).name} does not record its data: cannot check that --dataset is unchanged")
+    elif was != fingerprint:
+        what = (f"{fingerprint['documents']} documents, was {was['documents']}"
+                if fingerprint["documents"] != was["documents"]
+                else f"the same number of documents ({was['documents']}), but their text or order differs")
+        raise UsageError(f"--dataset {dataset} is not the data this run trained on ({what}): resume with "
+                         "that data, or start a new run")
+
+
+def get_tokenizer(cfg: TrainConfig, train_text, resuming: bool) -> Tokenizer:
+    """The run's own tokenizer on resume, else --tokenizer, else a BPE trained on train_text."""
+    if resuming:
+        out = Path(cfg.out_dir)
+        tokenizer = data.load_tokenizer(out / TOKENIZER)
+        run_folder.check_tokenizer(out, tokenizer, run_folder.recorded_fingerprint(out))  # the run's own
+        if cfg.tokenizer and data.load_tokenizer(cfg.tokenizer).to_str() != tokenizer.to_str():
+            raise UsageError(f"--tokenizer {cfg.tokenizer} differs from the run's {TOKENIZER}")
+        return tokenizer
+    if cfg.tokenizer:
+        return data.load_tokenizer(cfg.tokenizer)
+    return data.train_tokenizer(train_text, cfg.vocab_size)
+
+
+def make_datasets(cfg: TrainConfig, tokenizer: Tokenizer, train_text, val_text, fingerprint: dict | None = None):
+    """The training and held-out datasets: every document's windows, one a row, or with --pack
+    several a row (the held-out ones too, so that evaluation costs what training does)."""
+    pad_id = tokenizer.token_to_id(data.PAD)
+
+    def dataset(texts, **facts):
+        windows = data.tokenize(texts, tokenizer, cfg.seq_len)
+        if cfg.pack:
+            return packing.PackedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts,
+                                                 packing=packing.pack(windows, cfg.seq_len, cfg.seed))
+        return data.PaddedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts)
+    train = dataset(train_text, corpus=fingerprint)
+    val = dataset(val_text, text_bytes=corpus.text_bytes(val_text))
+    if len(train) < cfg.batch_size:  # not one step's worth
+        raise UsageError(f"dataset has {len(train)} training rows of --seq-len {cfg.seq_len} (from "
+                         f"{len(train_text)} documents), fewer than one --batch-size of {cfg.batch_size}")
+    return train, val
