@@ -1,6 +1,7 @@
 """Train the Llama model with FSDP2 (fully_shard): one process per GPU, launched by torchrun.
 
     torchrun --standalone --nproc_per_node=4 train_fsdp.py     # 4 GPUs (or 4 CPU processes)
+    torchrun --nnodes=2 --nproc_per_node=8 ... train_fsdp.py --replicas 2  # HSDP: shard in a node, replicate across
 
 DDP keeps the whole weights, gradients and AdamW state (16 bytes a parameter) on every GPU;
 FSDP keeps 1/N of each on each of N ranks, all-gathers a layer's weights only while it runs
@@ -40,7 +41,7 @@ def shard(model, mesh, dtype: torch.dtype):
 
 
 def main():
-    cfg = config.parse_args(distributed=True, description=__doc__)
+    cfg = config.parse_args(distributed=True, sharded=True, description=__doc__)
     # torchrun tells each process who it is. RANK: its place in the whole job;
     # LOCAL_RANK: its place on this machine, which picks the GPU (RANK would pick GPU 5
     # on a 4-GPU node 2). Under plain `python` it is a world of one.
@@ -57,12 +58,16 @@ def main():
     dist.init_process_group(backend, store=launch.job_store(cfg.timeout_minutes), rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=cfg.timeout_minutes))  # join the job's processes
     prep, control = launch.side_groups(backend, cfg.timeout_minutes, cfg.data_timeout_minutes)  # real jobs: see there
-    mesh = init_device_mesh(device.type, (world_size,))  # FSDP: the ranks that share each tensor
+    # FSDP: the ranks that share each tensor. With --replicas R (HSDP), a 2-D mesh: R replicas (one a
+    # node) of world_size / R ranks each (a node's): each tensor is sharded within a replica, over the
+    # node's fast links, and only the gradient shards' all-reduce between replicas crosses the network
+    shape, names = config.mesh_shape(cfg.replicas, world_size)  # (world_size,), or (R, world_size / R)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
 
     # ---- data: load, split, tokenizer, tokenize once (cached by `datasets`) ----
     # real jobs: local rank 0 of each node prepares the data first; the others then read its cache
     # real jobs: a model too big for this device's memory is refused once the vocabulary is known
-    model_fits = memory.Check(cfg, micro_batch, dtype, device, shards=world_size)  # FSDP: 1/world_size each
+    model_fits = memory.Check(cfg, micro_batch, dtype, device, shards=mesh.shape[-1])  # FSDP: 1/shards each
     ckpt, tokenizer, train_ds, val_ds = run_data.prepare(cfg, turns.InTurns(prep, local_rank),
                                                          model_fits=model_fits, sharded=True)
     steps_per_epoch = len(train_ds) // cfg.batch_size  # full global batches only
@@ -78,7 +83,7 @@ def main():
             block.compile()  # in place: the state_dict keeps its keys (no `_orig_mod.` prefix)
     shard(raw_model, mesh, dtype)  # in place
     raw_model.to_empty(device=device)
-    build.init_weights(raw_model, cfg)  # FSDP: each rank now holds 1/world_size of every weight
+    build.init_weights(raw_model, cfg)  # FSDP: each rank now holds its shard of every weight
     optimizer, scheduler = build.optimizer(raw_model, cfg, total_steps)
     step = resume.from_checkpoint(ckpt, cfg, raw_model, optimizer, scheduler, steps_per_epoch)  # 0 for a new run
     log = metrics.MetricsLog(cfg, enabled=is_main, resume_step=step, facts=train_ds.facts)  # and the trackers
@@ -118,9 +123,11 @@ def main():
         # summed loss by this count weighs every token the same, however many pads there are.
         n_tokens = sum((y != IGNORE_INDEX).sum() for _, y, _ in micro_batches)
         dist.all_reduce(n_tokens)  # count the targets of every rank's share of the step
-        for x, y, position_ids in micro_batches:  # position_ids: None, unless --pack put several windows in a row
+        for i, (x, y, position_ids) in enumerate(micro_batches):  # position_ids: see train_dp.py
             # FSDP: no no_sync. Every micro-step reduce-scatters into the shards (torchtitan's choice):
             # syncing only the last would save traffic but hold whole, unsharded gradients till then.
+            # HSDP: the replicas' all-reduce of the shards, though, waits for the last (torchtitan#1929)
+            model.set_requires_all_reduce(i == cfg.grad_accum - 1)
             loss_sum = model(x, y, position_ids)[0].sum()
             (loss_sum * world_size / n_tokens).backward()  # FSDP averages over ranks too: times world_size, a sum
             train_totals[0] += loss_sum.detach()
@@ -128,8 +135,8 @@ def main():
 
         # ---- the optimizer step: clip, step, next LR, clear gradients ----
         # the gradient norm before clipping, logged as grad_norm (max_norm inf: no clipping)
-        grads = [p.grad for p in model.parameters() if p.grad is not None]  # FSDP: the shards'; their squares
-        grad_norm = torch.nn.utils.get_total_norm(grads).full_tensor()  # are summed over the ranks: one all-reduce
+        grads = [p.grad for p in model.parameters() if p.grad is not None]  # FSDP: the shards'; their squares are
+        grad_norm = torch.nn.utils.get_total_norm(grads).full_tensor()  # summed over a replica's ranks: one all-reduce
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.grad_clip or math.inf, grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()

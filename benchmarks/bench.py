@@ -1,11 +1,14 @@
 """Measure training speed on this machine, side by side in one run.
 
-    python bench.py                  # CPU: the tiny preset (16 x 128); GPU: the article preset (64 x 512)
-    python bench.py --compile        # also torch.compile our path in Table 2 (slow to compile on a CPU)
+    python benchmarks/bench.py            # CPU: the tiny preset (16 x 128); GPU: the article preset (64 x 512)
+    python benchmarks/bench.py --compile  # also torch.compile our path in Table 2 (slow to compile on a CPU)
 
 Table 1 is the tutorial's comparison: one process, nn.DataParallel (when there is more than
 one GPU), DDP and FSDP at world size 1..N (N = the GPUs, or 2 processes on a CPU; at most
---max-world-size). FSDP rows need torch 2.6 or newer; older ones leave them out. Every row
+--max-world-size), and HSDP as 2 replicas at even N (train_fsdp.py --replicas 2; on one
+machine, and on a CPU above all, it shows that HSDP runs and what it holds, not what it saves
+on a network: benchmarks/bench_network.py counts that). FSDP and HSDP rows need torch 2.6 or
+newer; older ones leave them out. Every row
 trains the same global batch, eager and in --dtype auto's dtype (DataParallel cannot run a
 compiled model); tokens/s counts all positions of every rank. Its memory columns give each
 rank's bytes of weights, gradients and AdamW state, counted from the tensors it holds (its
@@ -212,16 +215,17 @@ def distributed_worker(rank, world_size, port, args, dtype, kinds, results):
     cuda = device.type == "cuda"
     shard = [(x[rank::world_size], y[rank::world_size]) for x, y in synthetic_batches(args)]
     for kind in kinds:
-        if kind == "FSDP":  # as train_fsdp.py shards it: fp32 weights, `dtype` through the mixed-precision policy
+        if kind != "DDP":  # as train_fsdp.py shards it: fp32 weights, `dtype` through the mixed-precision policy
             import train_fsdp  # here, not at the top: DP and DDP rows run on torch 2.5 too
             from torch.distributed.device_mesh import init_device_mesh
-            model = train_fsdp.shard(build(args, device, torch.float32), init_device_mesh(device.type, (world_size,)),
-                                     dtype)
+            shape, names = config.mesh_shape(2 if kind == HSDP else 1, world_size)  # HSDP: train_fsdp.py --replicas 2
+            mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+            model = train_fsdp.shard(build(args, device, torch.float32), mesh, dtype)
         else:  # as train_ddp.py builds it
             model = nn.parallel.DistributedDataParallel(build(args, device, dtype), device_ids=[rank] if cuda else None,
                                                         **launch.DDP_OPTIONS)
         row = time_steps(args, model, shard, device)
-        if kind == "FSDP":  # freed before DDP's is built (DDP's reducer never is: see the end)
+        if kind != "DDP":  # freed before DDP's is built (DDP's reducer never is: see the end)
             del model
             if cuda:
                 torch.cuda.empty_cache()
@@ -233,6 +237,9 @@ def distributed_worker(rank, world_size, port, args, dtype, kinds, results):
     # collective can deadlock in gloo's destructor (its worker thread waits for the GIL that
     # the joining main thread holds; seen in CI with torch 2.13). Nothing is left to do here.
     os._exit(0)
+
+
+HSDP = "HSDP, 2 replicas"  # a row of Table 1 on an even number of ranks
 
 
 def free_port():
@@ -258,14 +265,15 @@ def scaling_table(args, device, dtype, batches):
         print(f"(no FSDP rows: torch {torch.__version__} has no torch.distributed.fsdp.fully_shard; it needs 2.6)")
     measured = {}
     for world_size in range(1, args.max_world_size + 1):  # one world of processes per size, for every kind
+        here = (*kinds, *([HSDP] if "FSDP" in kinds and world_size % 2 == 0 else []))
         results = mp.get_context("spawn").SimpleQueue()
-        mp.spawn(distributed_worker, args=(world_size, free_port(), args, dtype, kinds[::-1], results),
+        mp.spawn(distributed_worker, args=(world_size, free_port(), args, dtype, here[::-1], results),
                  nprocs=world_size)
-        for _ in kinds:
+        for _ in here:
             kind, row = results.get()
             measured[kind, world_size] = row
-    return rows + [(f"{kind}, world size {n}", measured[kind, n]) for kind in kinds
-                   for n in range(1, args.max_world_size + 1)]
+    return rows + [(f"{kind}, world size {n}", measured[kind, n]) for kind in (*kinds, HSDP)
+                   for n in range(1, args.max_world_size + 1) if (kind, n) in measured]
 
 
 def memory_table(world_sizes=(1, 2, 4, 8)):
@@ -323,11 +331,11 @@ def print_table(title, rows, args):
     # A process's peak RSS never goes down: on a CPU, rows measured in one process show the
     # largest so far. GPU rows (and each DDP process) report their own peak.
     memory = "peak GPU memory (GiB)" if torch.cuda.is_available() else "peak RSS so far (GiB)"
-    print(f"\n{title}\n{'':2}{'run':<55}{'steps/s':>9}{'tokens/s':>11}  {'weights+grads+AdamW (GiB)':<26}{memory}")
+    print(f"\n{title}\n{'':2}{'run':<55}{'steps/s':>9}{'tokens/s':>11}  {'weights+grads+AdamW (GiB)':<26} {memory}")
     for name, row in rows:
         held, peak = (" / ".join(f"{m:.3f}" for m in (v if isinstance(v, list) else [v]))
                       for v in (row["state_gb"], row["peak_mem_gb"]))
-        print(f"  {name:<55}{row['steps_per_s']:>9.2f}{row['steps_per_s'] * tokens:>11,.0f}  {held:<26}{peak}")
+        print(f"  {name:<55}{row['steps_per_s']:>9.2f}{row['steps_per_s'] * tokens:>11,.0f}  {held:<26} {peak}")
 
 
 def main(argv=None):

@@ -4,6 +4,9 @@ effect and was not silently ignored (every loss would still fall):
                      on every module, and the one the chunked loss computes the LM head's
                      matmuls in (left out under --compile, whose graphs would trace it)
     compiled_graphs  how many graphs torch.compile built (torch._dynamo's own count)
+    all_reduces      how many all-reduces this rank joined, by the size of their group (FSDP's
+                     own among them: HSDP all-reduces gradient shards over a group of replicas),
+                     and all_reduce_bytes, the bytes of the tensors it handed them
 written to SPY_DIR/rank<RANK>.json when the run ends. `recording(spy_dir)` does it for a run
 in this process; as a script, it runs a training script (argv[1:]) with $SPY_DIR."""
 
@@ -37,17 +40,28 @@ def recording(spy_dir, compiled: bool = False):
         dtypes.add(str(dtype).removeprefix("torch."))
         return real_chunked_loss(h, weight, targets, chunk, dtype)
 
+    all_reduces, all_reduce_bytes = {}, {}
+    real_all_reduce = torch.distributed.all_reduce
+
+    def count_all_reduce(tensor, *args, group=None, **kwargs):  # FSDP's calls pass their group by name
+        size = str(torch.distributed.get_world_size(group))
+        all_reduces[size] = all_reduces.get(size, 0) + 1
+        all_reduce_bytes[size] = all_reduce_bytes.get(size, 0) + tensor.numel() * tensor.element_size()
+        return real_all_reduce(tensor, *args, group=group, **kwargs)
+
     graphs_before = _graphs_built()
     hook = None if compiled else torch.nn.modules.module.register_module_forward_hook(record_dtype)
     chunked_loss.chunked_loss = record_loss_dtype
+    torch.distributed.all_reduce = count_all_reduce
     try:
         yield
     finally:
-        chunked_loss.chunked_loss = real_chunked_loss
+        chunked_loss.chunked_loss, torch.distributed.all_reduce = real_chunked_loss, real_all_reduce
         if hook is not None:
             hook.remove()
         with open(os.path.join(spy_dir, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
-            json.dump({"matmul_dtypes": sorted(dtypes), "compiled_graphs": _graphs_built() - graphs_before}, f)
+            json.dump({"matmul_dtypes": sorted(dtypes), "compiled_graphs": _graphs_built() - graphs_before,
+                       "all_reduces": all_reduces, "all_reduce_bytes": all_reduce_bytes}, f)
 
 
 if __name__ == "__main__":

@@ -194,8 +194,8 @@ def test_compiled_run_trains_the_same_model_and_its_checkpoints_load_into_a_plai
 
 def test_bench_runs_every_row_and_writes_its_table(tmp_path, capsys):
     """bench.py at toy size, in this process (its workers are spawned): one process, DDP and
-    FSDP at world sizes 1 and 2 (gloo), the ablation, and the memory each rank holds: FSDP's
-    ranks hold half of what DDP's do."""
+    FSDP at world sizes 1 and 2 (gloo), HSDP as 2 replicas of 1 rank, the ablation, and the
+    memory each rank holds: FSDP's ranks hold half of what DDP's do, HSDP's 2 x 1 all of it."""
     from benchmarks import bench
     out = tmp_path / "bench.json"
     bench.main(["--steps", "1", "--warmup", "1", "--seq-len", "32", "--batch-size", "4", "--json", str(out)])
@@ -203,11 +203,12 @@ def test_bench_runs_every_row_and_writes_its_table(tmp_path, capsys):
     result = json.loads(out.read_text())
     scaling = result["scaling"]
     assert list(scaling) == ["one process", "DDP, world size 1", "DDP, world size 2", "FSDP, world size 1",
-                             "FSDP, world size 2"]
+                             "FSDP, world size 2", "HSDP, 2 replicas, world size 2"]
     assert len(scaling["DDP, world size 2"]["peak_mem_gb"]) == 2  # one figure per rank
     ddp, fsdp = scaling["DDP, world size 2"]["state_gb"], scaling["FSDP, world size 2"]["state_gb"]
     assert ddp[0] == ddp[1] == scaling["one process"]["state_gb"]  # every DDP rank holds it all
     assert all(abs(f / ddp[0] - 0.5) < 0.01 for f in fsdp)  # each FSDP rank half (the embedding rows pad)
+    assert scaling["HSDP, 2 replicas, world size 2"]["state_gb"] == ddp  # 2 replicas of 1 shard: all of it
     assert [row[:3] for row in result["memory_per_rank"]][-1] == ["1b", 1_177_946_112, 8]
     assert list(result["ablation"])[0] == "tutorial: float mask, fp32, loss outside"
     # every ratio printed and saved is the quotient of the two rows it names
@@ -220,6 +221,21 @@ def test_bench_runs_every_row_and_writes_its_table(tmp_path, capsys):
         assert ratios[f"{name} vs tutorial"] == speed[name] / speed["tutorial: float mask, fp32, loss outside"]
         assert f"  {name} vs tutorial" in printed
     assert "Table 2" in printed
+
+
+def test_bench_network_counts_a_row_for_each_method_and_preset(capsys):
+    """2 nodes of 8: DDP and FSDP send the same bytes in one micro-step (bf16 gathers and an fp32
+    reduce-scatter against an fp32 all-reduce), FSDP that again every micro-step; HSDP sends
+    only its fp32 shard's all-reduce (what tests/test_hsdp.py measures), once a step."""
+    from benchmarks import bench_network
+    rows = {(preset, method): (network, node, accumulated)
+            for preset, method, network, node, accumulated in bench_network.main([])}
+    for preset in ("article", "1b"):
+        ddp, fsdp, hsdp = (rows[preset, method] for method in ("DDP", "FSDP", "HSDP (--replicas 2)"))
+        assert ddp[0] == pytest.approx(fsdp[0], rel=0.01) and ddp[2] == ddp[0] and fsdp[2] == 4 * fsdp[0]
+        assert hsdp[0] == hsdp[2] == pytest.approx(ddp[0] / 15, rel=0.01)  # 4 bytes x P/8, against 2 x 15/16 x 4 bytes x P
+        assert ddp[1] == fsdp[1] == 0 and hsdp[1] == pytest.approx(fsdp[0] * 14 / 15, rel=0.01)
+    assert "1b" in capsys.readouterr().out
 
 
 def test_bench_memory_measures_every_row_in_a_process_of_its_own_and_estimates_what_fits(tmp_path, capsys):

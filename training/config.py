@@ -18,15 +18,15 @@ from training.errors import ArgumentParser, UsageError, warn
 from training.launch import check_launch_environment
 
 
-def flag(default, help, minimum=None, maximum=None, number=None, same_on_resume=False, distributed_only=False,
+def flag(default, help, minimum=None, maximum=None, number=None, same_on_resume=False, only=None,
          **argparse_kwargs):
     """A field of TrainConfig and the flag that sets it. minimum, maximum: the bounds of a
     number; number: "positive" or "non-negative" for a float; same_on_resume: a resumed run
     must keep the value (it decides the model, the data, the global batch or the LR
-    schedule); distributed_only: a flag of the torchrun scripts alone (train_ddp.py,
-    train_fsdp.py)."""
+    schedule); only: "distributed" for a flag of the torchrun scripts alone (train_ddp.py,
+    train_fsdp.py), "sharded" for train_fsdp.py's alone."""
     return field(default=default, metadata=dict(help=help, minimum=minimum, maximum=maximum, number=number,
-                                                 distributed_only=distributed_only, same_on_resume=same_on_resume,
+                                                 only=only, same_on_resume=same_on_resume,
                                                  argparse=argparse_kwargs))
 
 
@@ -97,13 +97,18 @@ class TrainConfig:
     keep_checkpoints: int = flag(2, "numbered checkpoints to keep; checkpoint.pt is always the newest", minimum=1)
     # distributed (train_ddp.py, train_fsdp.py)
     backend: str | None = flag(None, "process-group backend (default: nccl on CUDA, gloo on CPU)",
-                               distributed_only=True, type=str, choices=["nccl", "gloo"])
+                               only="distributed", type=str, choices=["nccl", "gloo"])
     timeout_minutes: float = flag(30.0, "how long a training collective may wait for the slowest rank before "
                                   "the job fails (PyTorch's default is 10)", number="positive", maximum=1e6,
-                                  distributed_only=True)
+                                  only="distributed")
     data_timeout_minutes: float = flag(24 * 60.0, "how long ranks wait for local rank 0 to download, train the "
                                        "tokenizer and tokenize (hours, for a large corpus on a cold cache)",
-                                       number="positive", maximum=1e6, distributed_only=True)
+                                       number="positive", maximum=1e6, only="distributed")
+    # sharded (train_fsdp.py)
+    replicas: int = flag(1, "hybrid sharding (HSDP): this many replicas of the model, each sharded over world size / "
+                         "replicas ranks, gradients all-reduced across replicas once a step. On several nodes: the "
+                         "number of nodes (shard over a node's fast links, replicate over the network)", minimum=1,
+                         only="sharded")
 
 
 # Defaults that depend on --model. `article` is the article's recipe (README.md); `tiny` is the demo
@@ -118,12 +123,13 @@ TRAINING_PRESETS = {
 }
 
 
-def parse_args(argv=None, distributed: bool = False, description: str = "") -> TrainConfig:
-    """The flags, checked. distributed: the script runs under torchrun (train_ddp.py, train_fsdp.py)
-    and takes its flags too."""
+def parse_args(argv=None, distributed: bool = False, sharded: bool = False, description: str = "") -> TrainConfig:
+    """The flags, checked. distributed: the script runs under torchrun (train_ddp.py,
+    train_fsdp.py) and takes its flags too; sharded: it is train_fsdp.py, and takes its own."""
     parser = ArgumentParser(description=description)
+    kinds = {None, *(["distributed"] if distributed or sharded else []), *(["sharded"] if sharded else [])}
     for f in dataclasses.fields(TrainConfig):
-        if f.metadata["distributed_only"] and not distributed:
+        if f.metadata["only"] not in kinds:  # a flag a script does not use is refused, never ignored
             continue
         name = "--" + f.name.replace("_", "-")
         if f.type is bool or f.type == "bool":
@@ -132,7 +138,7 @@ def parse_args(argv=None, distributed: bool = False, description: str = "") -> T
             kwargs = {"type": type(f.default), **f.metadata["argparse"]}
             parser.add_argument(name, default=f.default, help=f.metadata["help"], **kwargs)
     cfg = TrainConfig(**vars(parser.parse_args(argv)))
-    check_launch_environment(one_process=not distributed)  # RANK, WORLD_SIZE...: whole numbers, as torchrun sets them
+    check_launch_environment(one_process=not (distributed or sharded))  # RANK, WORLD_SIZE...: whole numbers, as torchrun sets them
     for name, value in vars(cfg).items():  # `--init-from "$UNSET"` must not mean "no --init-from"
         if isinstance(value, str) and not value.strip():
             raise UsageError(f"--{name.replace('_', '-')} is empty (an unset variable in a job script?): give it "
@@ -200,6 +206,18 @@ def validate(cfg: TrainConfig):
     if inside and cfg.dataset != corpus.EMBEDDED_CORPUS:
         raise UsageError(f"--out-dir {cfg.out_dir} is inside the --dataset folder {cfg.dataset}: the run would "
                          "read its own files as data. Choose an --out-dir outside it")
+
+
+def mesh_shape(replicas: int, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """train_fsdp.py's device mesh, its sizes and their names: (world_size,) to shard over
+    every rank; with --replicas R, (R, world_size / R): R replicas, each sharded over
+    world_size / R consecutive ranks (HSDP)."""
+    if world_size % replicas:
+        raise UsageError(f"--replicas {replicas} does not divide the world size {world_size}: each replica needs "
+                         "the same number of ranks (on N nodes of G GPUs, --replicas N shards over each node)")
+    if replicas == 1:
+        return (world_size,), ("shard",)
+    return (replicas, world_size // replicas), ("replicate", "shard")
 
 
 def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
