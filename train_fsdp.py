@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 import data
 from model import IGNORE_INDEX
-from training import build, config, evaluation, launch, memory, metrics, resume, run_data  # the run
+from training import build, config, evaluation, launch, memory, metrics, profiling, resume, run_data  # the run
 from training import checkpoint, run_folder, sharded_checkpoint, stopping, turns  # saving, stopping, data in turns
 
 
@@ -99,6 +99,7 @@ def main():
     val_loader = evaluation.val_loader(val_ds, rank, world_size, micro_batch, same_length=True)  # FSDP: see there
     writer = sharded_checkpoint.ShardedCheckpointWriter(cfg.out_dir, cfg.keep_checkpoints, cfg.timeout_minutes)
     stop = stopping.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
+    profiler = profiling.Profiler(cfg, rank, device, first_step=step)  # --profile: docs/profiling.md
     if is_main:
         print(metrics.describe(raw_model, train_ds, steps_per_epoch, total_steps, micro_batch, cfg, device, dtype))
 
@@ -112,6 +113,7 @@ def main():
     batches, preempted, started = None, False, time.perf_counter()
     first_step, loss, val_loss = step, None, None  # for the summary at the end
     while step < last_step:
+        profiler.begin(step + 1)  # --profile: traces a few steps; without it, nothing
         epoch, step_in_epoch = divmod(step, steps_per_epoch)
         if batches is None or step_in_epoch == 0:
             # a new epoch reshuffles; a resumed run skips the samples it has already seen
@@ -172,9 +174,11 @@ def main():
                 log.write({"step": step, "val_loss": val_loss, "val_bpb": val_bpb})
                 if is_main:  # tqdm.write prints even where the bar is disabled
                     tqdm.write(f"step {step}: val loss {val_loss:.4f} | {val_bpb:.4f} bits per byte")
+        profiler.end(step)
         if preempted:
             break
     pbar.close()
+    profiler.close()  # a run stopped within the traced steps: what it traced
     writer.wait()  # the last checkpoint is on disk before we go on
 
     if step == total_steps:  # the whole model's weights, for generate.py and export_hf.py

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import data
-from conftest import (FAST, FLOOR_MULTIPLE, assert_same_model, assert_within, load_weights, metrics, run_script,
-                      stopped_at_step_4, train)
+from conftest import (FAST, FLOOR_MULTIPLE, assert_same_model, assert_within, load_weights, metrics, stopped_at_step_4,
+                      train)
 from data import PaddedSequenceDataset
 from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, LlamaRotaryEmbedding
 from test_bad_inputs import refused_in_process

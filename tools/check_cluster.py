@@ -114,6 +114,19 @@ class Meeting:
         finally:
             timer.cancel()
 
+    def await_end(self):
+        """Wait, up to the deadline, for another rank to tell the job what went wrong (then end
+        without a line of our own); past it, return: this rank says it instead."""
+        deadline, pause = time.monotonic() + self.timeout, 0.001
+        try:
+            while time.monotonic() < deadline:
+                if self.store.check([ENDED]):
+                    stand_down(self.store)
+                time.sleep(pause)
+                pause = min(2 * pause, 0.1)
+        except (dist.DistError, RuntimeError):  # a store that went away with the rank that held it
+            pass
+
     def share(self, step: str, value) -> list:
         """Every rank's JSON value for step, on every rank. Waited for here, in polls of the
         store, until the deadline (then this thread names who is missing: no timer to race it),
@@ -282,6 +295,10 @@ def main():
     if rank == 0:
         print(table(ranks), flush=True)
     if problem := differences(ranks):
+        if rank != 0 and all(info["world_size"] == world_size for info in ranks):
+            # rank 0 has every rank's facts too: it prints the table, then says it (this rank's
+            # exit, first, could make torchrun end rank 0 before the table)
+            meeting.await_end()
         raise Failed(problem)
     # Every rank reached the store; now they connect to each other, directly. The process
     # group waits longer than the check does, so that the check's deadline speaks first.

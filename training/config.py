@@ -95,6 +95,11 @@ class TrainConfig:
     stop_at_step: int | None = flag(None, "save and exit after this step; continue later with --resume", minimum=1,
                                     type=int)
     keep_checkpoints: int = flag(2, "numbered checkpoints to keep; checkpoint.pt is always the newest", minimum=1)
+    profile: bool = flag(False, "trace --profile-steps steps on every rank into OUT/profile/ (Perfetto, "
+                         "chrome://tracing, TensorBoard; on CUDA a memory snapshot too): docs/profiling.md")
+    profile_warmup: int = flag(3, "steps before the traced ones, not traced (compiling, the allocator, the data "
+                               "feed warm up)", minimum=0)
+    profile_steps: int = flag(2, "steps to trace", minimum=1)
     # distributed (train_ddp.py, train_fsdp.py)
     backend: str | None = flag(None, "process-group backend (default: nccl on CUDA, gloo on CPU)",
                                only="distributed", type=str, choices=["nccl", "gloo"])
