@@ -7,7 +7,7 @@ reduce-scatters each layer's gradients. A run without the flag traces nothing.""
 
 import json
 
-from conftest import metrics, script_in_process
+from conftest import ddp_two_ranks, metrics, script_in_process
 from model import PRESETS
 from tools import draw_trace, trace_summary
 
@@ -35,7 +35,7 @@ def test_ddp_traces_every_rank_and_all_reduces_gradients_during_the_last_backwar
             assert gradients[0]["phase"] == "backward 2"  # the first while backward still runs
             assert 0 < s["overlapped_ms"] <= s["communication_ms"] and 0 < s["compute_ms"] < s["ms"]
             assert 0 < s["data_wait_ms"] < s["ms"]
-    assert not (runs("ddp2", "train_ddp.py", nproc=2) / "profile").exists()  # without --profile: nothing
+    assert not (ddp_two_ranks(runs) / "profile").exists()  # without --profile: nothing
 
 
 def test_fsdp_gathers_each_layer_before_it_runs_and_reduce_scatters_it_in_backward(runs):

@@ -8,8 +8,9 @@ A step is the span the trainer marks (ProfilerStep#N). Within it:
                root_pre_forward, or else the embedding lookup (the model's first op); its
                backward runs from its first autograd function to its last
   compute      the time the device computes: on a GPU the union of its kernels (NCCL's left
-               out), on a CPU the operators' own time on the training thread (each without
-               the operators it calls; collectives' calls and waits left out)
+               out), on a CPU the ATen operators' own time on the training thread (each
+               without the operators it calls; the autograd engine's functions, FSDP's and
+               DDP's hooks and c10d's calls only hold them, or wait)
   collectives  gloo's work on its threads, or NCCL's kernels, each named by the c10d call
                that launched it (all-reduce, all-gather, reduce-scatter) and placed in the
                phase it started in
@@ -19,6 +20,7 @@ docs/profiling.md shows how to read them.
 """
 
 import argparse
+import bisect
 import json
 import sys
 from pathlib import Path
@@ -124,17 +126,18 @@ def summarize(path) -> list[dict]:
     main = steps[0]["tid"]
     on_gpu = any(e.get("cat") == "kernel" for e in events)
     c10d = sorted((e for e in events if e["tid"] == main and e["name"].startswith("c10d::")), key=lambda e: e["ts"])
+    c10d_starts = [c["ts"] for c in c10d]
     collectives = []
     for e in events:
-        if e["name"].startswith("gloo:"):
-            launched = [c for c in c10d if c["ts"] <= e["ts"]]  # the c10d call that handed gloo this work
-            kind = collective_kind(launched[-1]["name"]) if launched else None
+        if e["name"].startswith("gloo:"):  # gloo's work: named by the c10d call that handed it over, the last before
+            launched = bisect.bisect_right(c10d_starts, e["ts"])  # (a reduce-scatter runs as gloo's all_reduce)
+            kind = collective_kind(c10d[launched - 1]["name"]) if launched else None
             dims = e.get("args", {}).get("Input Dims") or [[]]
             elements = 1
             for n in dims[0] if dims and isinstance(dims[0], list) else []:
                 elements *= n
-            collectives.append({"kind": kind or e["name"][5:].replace("_", "-"), "ts": e["ts"], "end": e["ts"] + e["dur"],
-                                "elements": elements})
+            collectives.append({"kind": kind or e["name"][5:].replace("_", "-"), "ts": e["ts"],
+                                "end": e["ts"] + e["dur"], "elements": elements})
         elif on_gpu and e.get("cat") == "kernel" and "nccl" in e["name"].lower():
             kind = next((k for key, k in NCCL_KINDS.items() if key in e["name"]), "collective")
             collectives.append({"kind": kind, "ts": e["ts"], "end": e["ts"] + e["dur"], "elements": None})
@@ -143,7 +146,9 @@ def summarize(path) -> list[dict]:
                 and "nccl" not in e["name"].lower()]
     else:
         ops = [e for e in events if e["tid"] == main and e.get("cat") == "cpu_op"]
-        busy = self_time(ops, left_out=lambda e: e["name"].startswith("c10d::") or "wait" in e["name"].lower())
+        # ATen's operators are the work; the autograd engine's functions, FSDP's and DDP's hooks
+        # and c10d's calls hold them, and their own time is bookkeeping or a wait
+        busy = self_time(ops, left_out=lambda e: not e["name"].startswith("aten::"))
     busy = union(busy)
     waits = union((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith("enumerate(DataLoader)"))
     marks = next(([e for e in events if e["tid"] == main and e["name"] == mark] for mark in FORWARD_MARKS
@@ -206,7 +211,7 @@ def describe(summary: dict) -> list[str]:
         groups.setdefault((c["kind"], c["phase"]), []).append(c)
     for (kind, where), found in groups.items():
         ms = sum(c["end"] - c["start"] for c in found)
-        lines.append(f"    {len(found)} x {kind} in {where}: {ms:.1f} ms")
+        lines.append(f"    {len(found)} x {kind}, {where}: {ms:.1f} ms")
     return lines
 
 
