@@ -114,16 +114,24 @@ class Meeting:
         finally:
             timer.cancel()
 
+    def _poll(self, done) -> bool:
+        """Poll the store until done() (True) or the deadline (False); once another rank has
+        told the job what went wrong (end), end without a line of our own (stand_down)."""
+        deadline, pause = time.monotonic() + self.timeout, 0.001
+        while not done():
+            if self.store.check([ENDED]):
+                stand_down(self.store)
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, 0.1)
+        return True
+
     def await_end(self):
         """Wait, up to the deadline, for another rank to tell the job what went wrong (then end
         without a line of our own); past it, return: this rank says it instead."""
-        deadline, pause = time.monotonic() + self.timeout, 0.001
         try:
-            while time.monotonic() < deadline:
-                if self.store.check([ENDED]):
-                    stand_down(self.store)
-                time.sleep(pause)
-                pause = min(2 * pause, 0.1)
+            self._poll(lambda: False)
         except (dist.DistError, RuntimeError):  # a store that went away with the rank that held it
             pass
 
@@ -137,15 +145,7 @@ class Meeting:
         try:
             self.mark(step, json.dumps(value))
             self.store.add(arrived, 1)  # one key to poll, whatever the number of ranks
-            deadline, pause = time.monotonic() + self.timeout, 0.001
-            while self.store.add(arrived, 0) < self.world_size:
-                if self.store.check([ENDED]):
-                    stand_down(self.store)
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(pause)
-                pause = min(2 * pause, 0.1)
-            else:
+            if self._poll(lambda: self.store.add(arrived, 0) >= self.world_size):
                 return [json.loads(self.store.get(key)) for key in keys]
         except (dist.DistError, RuntimeError):  # a store that went away
             pass

@@ -190,7 +190,7 @@ class StopSignal:
 
     def __init__(self):
         self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        for sig in _STOP_SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
