@@ -6,6 +6,7 @@ bucket by bucket while the last micro-step's backward runs, and not at all in th
 reduce-scatters each layer's gradients. A run without the flag traces nothing."""
 
 import json
+import os
 
 from conftest import ddp_two_ranks, metrics, script_in_process
 from model import PRESETS
@@ -75,8 +76,17 @@ def test_one_process_traces_its_steps_with_no_collective(runs, tmp_path, capsys)
     assert draw_trace.label(trace) == "dp_profiled, rank 0"
 
 
-def test_a_file_that_is_no_trace_is_one_line(tmp_path, capsys):
-    bad = tmp_path / "x.json"
+def test_a_file_that_is_no_trace_or_a_picture_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    bad, fifo = tmp_path / "x.json", tmp_path / "fifo.pt.trace.json"
     bad.write_text('{"a": 1}')
-    assert script_in_process("tools/trace_summary.py", [str(bad)]) == 2
-    assert capsys.readouterr().err == f"error: {bad} is not a trace of torch.profiler (no traceEvents)\n"
+    os.mkfifo(fifo)  # read, it would block forever (and /dev/zero never end)
+    refusals = [("tools/trace_summary.py", [str(bad)], f"{bad} is not a trace of torch.profiler (no traceEvents)"),
+                ("tools/trace_summary.py", [str(fifo)], f"trace {fifo} is not a regular file"),
+                ("tools/draw_trace.py", [str(bad), "-o", str(tmp_path / "step.json")],
+                 f"--output {tmp_path / 'step.json'}: matplotlib cannot write .json files"),
+                ("tools/draw_trace.py", [str(bad), "-o", str(fifo.with_suffix(".png"))], "exists and is not a file")]
+    os.mkfifo(fifo.with_suffix(".png"))
+    for tool, args, message in refusals:
+        assert script_in_process(tool, args) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err

@@ -15,9 +15,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
+from tools.plot_metrics import output_path, pyplot  # noqa: E402
 from tools.trace_summary import summarize  # noqa: E402
 from training import errors, stopping  # noqa: E402
-from training.errors import UsageError, path_argument  # noqa: E402
+from training.errors import UsageError, first_line, path_argument  # noqa: E402
 
 COLORS = {"forward": "#4c78a8", "backward": "#f58518", "optimizer step": "#54a24b", "data wait": "#bab0ac",
           "all-reduce": "#e45756", "all-gather": "#b279a2", "reduce-scatter": "#9d755d", "broadcast": "#72b7b2"}
@@ -52,13 +53,9 @@ def main(argv=None):
     parser.add_argument("--step", type=int, help="which traced step (default: each trace's last)")
     parser.add_argument("--title", default="")
     args = parser.parse_args(argv)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-    except ImportError:
-        raise UsageError("draw_trace.py needs matplotlib: pip install matplotlib") from None
+    plt = pyplot("draw_trace.py")
+    from matplotlib.patches import Patch
+    output = output_path(args.output, plt)  # checked before the traces are read
     rows = []
     for path in map(Path, args.traces):
         summaries = summarize(path)
@@ -84,11 +81,12 @@ def main(argv=None):
     ax.set_title(args.title or f"one step of {len(rows)} traces")
     fig.tight_layout()
     try:
-        fig.savefig(args.output, dpi=110)
-    except OSError as e:
-        raise UsageError(f"--output {args.output}: cannot write it: {e.strerror}") from None
-    plt.close(fig)
-    print(f"wrote {args.output}")
+        fig.savefig(output, dpi=110)
+    except OSError as e:  # a read-only folder, a full disk
+        raise UsageError(f"--output {output}: cannot write it: {first_line(e)}") from None
+    finally:
+        plt.close(fig)
+    print(f"wrote {output}")
 
 
 if __name__ == "__main__":

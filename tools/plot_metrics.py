@@ -40,27 +40,33 @@ def series(rows: list[dict], key: str):
     return [s for s, _ in points], [v for _, v in points]
 
 
-def pyplot():
+def pyplot(tool: str = "plot_metrics.py"):
     try:
         import matplotlib
     except ImportError:
-        raise UsageError("plot_metrics.py needs matplotlib: pip install matplotlib") from None
+        raise UsageError(f"{tool} needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
     return plt
 
 
 def output_path(output: str, plt) -> str:
-    """The file the plot goes to: PNG unless the name says another format matplotlib writes."""
+    """The file a picture goes to, checked before anything is drawn: PNG unless the name says
+    another format matplotlib writes, in a folder that exists, and not a FIFO or a folder."""
     path = Path(output)
     if not path.suffix:
-        return output + ".png"  # what matplotlib would write anyway: say so, not "wrote metrics"
-    formats = plt.figure().canvas.get_supported_filetypes()
-    plt.close("all")
-    if path.suffix[1:].lower() not in formats:
-        raise UsageError(f"--output {output}: matplotlib cannot write {path.suffix} files "
-                         f"(it writes {', '.join('.' + f for f in sorted(formats))})")
-    return output
+        path = Path(output + ".png")  # what matplotlib would write anyway: say so, not "wrote metrics"
+    else:
+        formats = plt.figure().canvas.get_supported_filetypes()
+        plt.close("all")
+        if path.suffix[1:].lower() not in formats:
+            raise UsageError(f"--output {output}: matplotlib cannot write {path.suffix} files "
+                             f"(it writes {', '.join('.' + f for f in sorted(formats))})")
+    if not path.resolve().parent.is_dir():
+        raise UsageError(f"--output {output}: its folder does not exist")
+    if os.path.lexists(path) and not os.path.isfile(path):  # a FIFO would block the write, a folder fail it
+        raise UsageError(f"--output {path} exists and is not a file: choose another name")
+    return str(path)
 
 
 def plot(runs: dict[str, list[dict]], output: str, plt):
@@ -94,10 +100,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     plt = pyplot()
     output = output_path(args.output, plt)
-    if not Path(output).resolve().parent.is_dir():
-        raise UsageError(f"--output {args.output}: its folder does not exist")
-    if os.path.lexists(output) and not os.path.isfile(output):  # a FIFO would block the write, a folder fail it
-        raise UsageError(f"--output {output} exists and is not a file: choose another name")
     runs = {}
     for out_dir in args.out_dirs:
         name = Path(out_dir).resolve().name

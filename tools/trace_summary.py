@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
-from training import errors, stopping  # noqa: E402
+from training import corpus, errors, stopping  # noqa: E402
 from training.errors import UsageError, first_line, path_argument  # noqa: E402
 
 STEP_MARK = "ProfilerStep#"
@@ -96,10 +96,14 @@ def self_time(events, left_out=lambda event: False) -> list[tuple[float, float]]
     return own
 
 
+TRACE_LIMIT = 2**32  # a trace of a few steps of the 1b model on 8 GPUs is a few hundred MB
+
+
 def read_trace(path) -> list[dict]:
+    text = corpus.read_text(path, "trace", TRACE_LIMIT)  # a regular file: a FIFO or /dev/zero is one line
     try:
-        trace = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
+        trace = json.loads(text)
+    except (ValueError, RecursionError) as e:
         raise UsageError(f"cannot read the trace {path}: {first_line(e)}") from None
     events = trace.get("traceEvents") if isinstance(trace, dict) else None
     if not isinstance(events, list):
