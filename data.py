@@ -251,6 +251,11 @@ def _tokenizer_threads(threads: int | None):
 # The dataset the DataLoader reads
 
 
+def window_targets(windows: datasets.Dataset) -> np.ndarray:
+    """The real targets of each window: all its tokens but the first, from the Arrow column."""
+    return pyarrow.compute.list_value_length(windows.with_format("arrow")[:]["input_ids"]).to_numpy() - 1
+
+
 @dataclass
 class PaddedSequenceDataset(torch.utils.data.Dataset):
     """Items are (x, y), each (seq_len,) int64: inputs right-padded with [PAD], targets
@@ -271,8 +276,10 @@ class PaddedSequenceDataset(torch.utils.data.Dataset):
 
     @functools.cached_property
     def window_targets(self) -> np.ndarray:
-        """The real targets of each window: all its tokens but the first. Counted once, from the Arrow column."""
-        return pyarrow.compute.list_value_length(self.rows.with_format("arrow")[:]["input_ids"]).to_numpy() - 1
+        """The real targets of each window, counted once (window_targets)."""
+        return window_targets(self.rows)
+
+    packing_fingerprint = None  # one window a row: the corpus, the tokenizer and seq_len decide the rows
 
     @property
     def targets(self) -> np.ndarray:
@@ -366,16 +373,3 @@ class ResumableDistributedSampler(torch.utils.data.DistributedSampler):
 
     def __len__(self):
         return self.num_samples - self.start
-
-
-def next_micro_batches(batches, grad_accum: int, device: torch.device) -> list:
-    """The grad_accum micro-batches of one optimizer step, on the device (see on_device)."""
-    return [on_device(next(batches), device) for _ in range(grad_accum)]
-
-
-def on_device(batch, device: torch.device) -> tuple:
-    """(inputs, targets, position_ids) of a batch, on the device. position_ids: each token's
-    position in its window, for rows that hold several (--pack); else None."""
-    x, y, *packed = batch
-    position_ids = packed[0].to(device, non_blocking=True) if packed else None
-    return x.to(device, non_blocking=True), y.to(device, non_blocking=True), position_ids

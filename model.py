@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from training import chunked_loss, packed_attention
-from training.chunked_loss import IGNORE_INDEX
+from ops import chunked_loss, packed_attention
+from ops.chunked_loss import IGNORE_INDEX
 
 
 @dataclass
@@ -253,12 +253,13 @@ class LlamaModel(nn.Module):
         self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config)
 
-    def forward(self, input_ids, position_ids=None, kv_caches=None):
+    def forward(self, input_ids, position_ids=None, cu_seqlens=None, kv_caches=None):
         h = self.embed_tokens(input_ids)  # (B, T, C)
         start = kv_caches[0].length if kv_caches else 0  # position of input_ids[:, 0]
         cos, sin = self.rotary_emb(input_ids.shape[1], start, position_ids)
         # None: one sequence a row, and attention is causal over the whole row (is_causal)
-        mask = None if position_ids is None else packed_attention.window_mask(position_ids, compute_dtype(h))
+        mask = None if position_ids is None else packed_attention.window_mask(position_ids, compute_dtype(h),
+                                                                               cu_seqlens)
         for layer, cache in zip(self.layers, kv_caches or [None] * len(self.layers)):
             h = layer(h, cos, sin, mask, cache)
         return self.norm(h)
@@ -301,6 +302,9 @@ class LlamaForPretraining(nn.Module):
         # not the caller: nn.DataParallel runs each replica in a thread of its own, and
         # autocast settings are per thread (a replica thread's default on CUDA is fp16).
         self.compute_dtype = torch.float32
+        # The CUDA kernel for packed rows (--packed-attention): "flex", or "varlen" over the
+        # windows' cu_seqlens (ops/packed_attention.py). A CPU computes either under a mask.
+        self.packed_attention = "flex"
         self.apply(self._init_weights)
 
     @staticmethod
@@ -320,7 +324,7 @@ class LlamaForPretraining(nn.Module):
             elif isinstance(module, LlamaRMSNorm):
                 yield module.weight, torch.ones(module.weight.shape)
 
-    def forward(self, input_ids, targets=None, position_ids=None, kv_caches=None):
+    def forward(self, input_ids, targets=None, position_ids=None, cu_seqlens=None, kv_caches=None):
         """input_ids: (B, T) token ids.
 
         Without targets: returns logits (B, T, V).
@@ -333,8 +337,10 @@ class LlamaForPretraining(nn.Module):
 
         position_ids (B, T), packed rows only (--pack): each token's position in its own
         window, restarting at 0 where a window starts; each window then attends only to
-        itself (window_mask). A row's structure travels with its row, so nn.DataParallel's
-        split of every input along the batch keeps it. None: one sequence a row, from 0.
+        itself (window_mask). cu_seqlens (B, W + 1), with them: where each row's windows
+        end, the kernel's input where packed_attention is "varlen". A row's structure travels
+        with its row, so nn.DataParallel's split of every input along the batch keeps it.
+        None: one sequence a row, from 0.
 
         kv_caches (generation only, from new_kv_caches): input_ids continue the tokens
         already cached, and their keys and values are added to the caches.
@@ -345,7 +351,10 @@ class LlamaForPretraining(nn.Module):
                              f"{self.config.max_position_embeddings}")
         device = input_ids.device.type
         with torch.autocast(device, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
-            h = self.base_model(input_ids, position_ids, kv_caches)
+            varlen = position_ids is not None and self.packed_attention == "varlen"
+            if varlen and cu_seqlens is None:
+                raise ValueError('packed_attention "varlen" needs the rows\' cu_seqlens with their position_ids')
+            h = self.base_model(input_ids, position_ids, cu_seqlens if varlen else None, kv_caches)
             if targets is None:
                 return self.lm_head(h)  # the logits (B, T, V)
             loss_sum = self.lm_head(h, targets)

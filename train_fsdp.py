@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 import data
 from model import IGNORE_INDEX
-from training import build, config, evaluation, launch, memory, metrics, profiling, resume, run_data  # the run
+from training import build, config, evaluation, launch, memory, metrics, profiling, read_ahead, resume, run_data
 from training import checkpoint, run_folder, sharded_checkpoint, stopping, turns  # saving, stopping, data in turns
 
 
@@ -86,6 +86,7 @@ def main():
     build.init_weights(raw_model, cfg)  # FSDP: each rank now holds its shard of every weight
     optimizer, scheduler = build.optimizer(raw_model, cfg, total_steps)
     step = resume.from_checkpoint(ckpt, cfg, raw_model, optimizer, scheduler, steps_per_epoch)  # 0 for a new run
+    profiler = profiling.Profiler(cfg, rank, device, step, total_steps)  # --profile: docs/profiling.md
     log = metrics.MetricsLog(cfg, enabled=is_main, resume_step=step, facts=train_ds.facts)  # and the trackers
     if is_main:
         run_folder.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
@@ -99,7 +100,6 @@ def main():
     val_loader = evaluation.val_loader(val_ds, rank, world_size, micro_batch, same_length=True)  # FSDP: see there
     writer = sharded_checkpoint.ShardedCheckpointWriter(cfg.out_dir, cfg.keep_checkpoints, cfg.timeout_minutes)
     stop = stopping.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
-    profiler = profiling.Profiler(cfg, rank, device, first_step=step)  # --profile: docs/profiling.md
     if is_main:
         print(metrics.describe(raw_model, train_ds, steps_per_epoch, total_steps, micro_batch, cfg, device, dtype))
 
@@ -118,19 +118,21 @@ def main():
         if batches is None or step_in_epoch == 0:
             # a new epoch reshuffles; a resumed run skips the samples it has already seen
             sampler.set_epoch(epoch, start=step_in_epoch * micro_batch * cfg.grad_accum)
-            batches = iter(loader)
+            # a thread reads each step's micro-batches onto the device while the step before runs
+            batches = read_ahead.ReadAhead(loader, cfg.grad_accum, device,
+                                           steps=min(steps_per_epoch - step_in_epoch, last_step - step))
         with speedometer.waiting():  # for data_wait_fraction
-            micro_batches = data.next_micro_batches(batches, cfg.grad_accum, device)
+            micro_batches = next(batches)
         # Real (non-pad) targets in this whole optimizer step. Dividing each micro-batch's
         # summed loss by this count weighs every token the same, however many pads there are.
-        n_tokens = sum((y != IGNORE_INDEX).sum() for _, y, _ in micro_batches)
+        n_tokens = sum((y != IGNORE_INDEX).sum() for _, y, *_ in micro_batches)
         dist.all_reduce(n_tokens)  # count the targets of every rank's share of the step
-        for i, (x, y, position_ids) in enumerate(micro_batches):  # position_ids: see train_dp.py
+        for i, (x, y, *packing) in enumerate(profiler.micro_steps(micro_batches)):  # see train_dp.py
             # FSDP: no no_sync. Every micro-step reduce-scatters into the shards (torchtitan's choice):
             # syncing only the last would save traffic but hold whole, unsharded gradients till then.
             # HSDP: the replicas' all-reduce of the shards, though, waits for the last (torchtitan#1929)
             model.set_requires_all_reduce(i == cfg.grad_accum - 1)
-            loss_sum = model(x, y, position_ids)[0].sum()
+            loss_sum = model(x, y, *packing)[0].sum()
             (loss_sum * world_size / n_tokens).backward()  # FSDP averages over ranks too: times world_size, a sum
             train_totals[0] += loss_sum.detach()
         train_totals[1] += n_tokens
@@ -153,14 +155,15 @@ def main():
             dist.all_reduce(train_totals[:1])  # loss sums of every rank (the counts are global already)
             loss = (train_totals[0] / train_totals[1]).item()  # token-weighted mean since last log
             norm = grad_norm.item()  # this step's
-            stopping.stop_if_diverged(step, cfg, loss=loss, grad_norm=norm)  # real jobs: before logging
+            stopping.stop_if_diverged(step, cfg, loss, norm, vocab_size=tokenizer.get_vocab_size())  # real jobs
             row = speedometer.row(step, epoch, loss, lr, norm, nonpad_tokens=train_totals[1].item())
             log.write(row)  # to metrics.jsonl, and TensorBoard and W&B if asked for
             pbar.set_postfix(metrics.progress(row))
             train_totals.zero_()
         saving = step % cfg.save_every == 0 or step == last_step or preempted
         evaluating = (step % cfg.eval_every == 0 or step == last_step) and not preempted
-        with speedometer.paused(saving or evaluating):  # saving and evaluation do not count as training time
+        # saving, evaluating and writing a trace (--profile) do not count as training time
+        with speedometer.paused(saving or evaluating or profiler.writes_after(step)):
             if saving:
                 stopping.stop_if_diverged(step, cfg, model=raw_model)  # real jobs: on every rank, before saving
                 # FSDP: the check above all-reduces (the weights are shards), and every rank writes its
@@ -174,7 +177,7 @@ def main():
                 log.write({"step": step, "val_loss": val_loss, "val_bpb": val_bpb})
                 if is_main:  # tqdm.write prints even where the bar is disabled
                     tqdm.write(f"step {step}: val loss {val_loss:.4f} | {val_bpb:.4f} bits per byte")
-        profiler.end(step)
+            profiler.end(step)  # after the last traced step: writes the trace
         if preempted:
             break
     pbar.close()
@@ -187,8 +190,9 @@ def main():
         if step == total_steps:
             run_folder.save_model(cfg.out_dir, full_state)
         trained = speedometer.trained + round(train_totals[1].item())  # and the steps since the last log
-        print(metrics.summary(cfg, step, total_steps, first_step, trained, time.perf_counter() - started, loss,
-                              val_loss, preempted, writer.checkpoint_at(step)))
+        seconds = time.perf_counter() - started - profiler.writing_seconds  # writing a trace is not training
+        print(metrics.summary(cfg, step, total_steps, first_step, trained, seconds, loss, val_loss, preempted,
+                              writer.checkpoint_at(step)))
     log.close()  # the trackers' last writes (a W&B upload), once no rank waits for this one
     dist.destroy_process_group()
 

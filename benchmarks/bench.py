@@ -38,23 +38,22 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
 from model import IGNORE_INDEX, PRESETS, LlamaConfig, LlamaForPretraining  # noqa: E402
-from training import config, launch, metrics  # noqa: E402
+from training import config, launch, metrics, stopping  # noqa: E402
+from training.errors import ArgumentParser, UsageError, at_least, path_argument  # noqa: E402
 
 def parse_args(argv=None):
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(PRESETS), default="article" if cuda else "tiny")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the --model preset's)")
-    p.add_argument("--batch-size", type=int, help="global sequences per step (default: the --model preset's)")
-    p.add_argument("--steps", type=int, default=20 if cuda else 8, help="timed steps per row")
-    p.add_argument("--warmup", type=int, default=5 if cuda else 2, help="untimed steps per row")
+    p.add_argument("--seq-len", type=at_least(1), help="tokens per sequence (default: the --model preset's)")
+    p.add_argument("--batch-size", type=at_least(1), help="global sequences per step (default: the --model preset's)")
+    p.add_argument("--steps", type=at_least(1), default=20 if cuda else 8, help="timed steps per row")
+    p.add_argument("--warmup", type=at_least(0), default=5 if cuda else 2, help="untimed steps per row")
     p.add_argument("--compile", action="store_true", help="torch.compile our path (on by default on a GPU)")
-    p.add_argument("--max-world-size", type=int, default=torch.cuda.device_count() if cuda else 2,
+    p.add_argument("--max-world-size", type=at_least(1), default=max(1, torch.cuda.device_count()) if cuda else 2,
                    help="largest DDP/FSDP world in Table 1 (default: every GPU, or 2 CPU processes)")
-    p.add_argument("--json", default="bench.json")
+    p.add_argument("--json", type=path_argument, default="bench.json")
     args = p.parse_args(argv)
-    if args.max_world_size < 1:
-        p.error(f"--max-world-size must be at least 1, got {args.max_world_size}")
     if cuda and args.max_world_size > torch.cuda.device_count():  # one process per GPU
         p.error(f"--max-world-size {args.max_world_size}: this machine has {torch.cuda.device_count()} GPU(s)")
     args.compile = args.compile or cuda
@@ -62,7 +61,18 @@ def parse_args(argv=None):
     args.vocab_size = preset["vocab_size"]
     args.seq_len = args.seq_len or preset["seq_len"]
     args.batch_size = args.batch_size or preset["batch_size"]
+    check_shape(args.model, args.seq_len, args.batch_size, args.max_world_size)
     return args
+
+
+def check_shape(model: str, seq_len: int, batch_size: int, world_size: int):
+    """A step no row could run: one line before anything is built or spawned."""
+    positions = PRESETS[model]["max_position_embeddings"]
+    if seq_len > positions:
+        raise UsageError(f"--seq-len {seq_len} exceeds the {model} model's {positions} positions")
+    if batch_size < world_size:
+        raise UsageError(f"--batch-size {batch_size} leaves some of {world_size} ranks without a sequence: give "
+                         "at least one a rank")
 
 
 def synthetic_batches(args, n=4):
@@ -383,4 +393,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    stopping.exit_on_usage_error(main)  # bad flags: one line, exit status 2

@@ -41,17 +41,30 @@ H100_TOKENS_PER_S = 470_936  # bench.py on one H100: the article model, 64 x 512
 FINEWEB_COLUMNS = ("text", "id", "dump", "url", "date", "file_path", "language", "language_score", "token_count")
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", help="a parquet file with a `text` column (default: generate one)")
-    p.add_argument("--mb", type=int, default=200, help="MB of text to generate")
-    p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "bench_data"),
+def parse_args(argv=None):
+    from training.errors import ArgumentParser, at_least, path_argument
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", type=path_argument, help="a parquet file with a `text` column (default: generate one)")
+    p.add_argument("--mb", type=at_least(1), default=200, help="MB of text to generate")
+    p.add_argument("--data-dir", type=path_argument, default=os.path.join(tempfile.gettempdir(), "bench_data"),
                    help="where the generated corpus is kept between runs")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (the article preset's)")
-    p.add_argument("--vocab-size", type=int, default=50000, help="BPE size (the article preset's)")
-    p.add_argument("--batch-size", type=int, default=64, help="rows a batch for the loader (the article preset's)")
+    p.add_argument("--seq-len", type=at_least(1), default=512, help="tokens per sequence (the article preset's)")
+    p.add_argument("--vocab-size", type=at_least(MIN_VOCAB), default=50000, help="BPE size (the article preset's)")
+    p.add_argument("--batch-size", type=at_least(1), default=64, help="rows a batch for the loader (the article preset's)")
     p.add_argument("--launch", action="store_true", help="also time train_dp.py from launch to its first step")
-    return p.parse_args()
+    args = p.parse_args(argv)
+    check_data(args.data)
+    return args
+
+
+MIN_VOCAB = 256 + 3  # every byte, and the special tokens (the trainers' own bound)
+
+
+def check_data(path: str | None):
+    """--data must be a parquet file, there before anything is generated or trained."""
+    from training.errors import UsageError
+    if path is not None and not Path(path).is_file():
+        raise UsageError(f"--data {path}: no such file (a parquet file with a `text` column)")
 
 
 # ---- a FineWeb-shaped corpus ------------------------------------------------------------------
@@ -240,4 +253,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from training import stopping
+    stopping.exit_on_usage_error(main)  # bad flags: one line, exit status 2

@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
 from benchmarks import bench  # noqa: E402
 from model import PRESETS, LlamaConfig, LlamaForPretraining  # noqa: E402
-from training import config, launch  # noqa: E402
+from training import config, launch, stopping  # noqa: E402
+from training.errors import ArgumentParser, UsageError, at_least  # noqa: E402
 
 
 def worker(rank, world_size, port, args, variant, results):
@@ -68,18 +69,17 @@ def worker(rank, world_size, port, args, variant, results):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(PRESETS), default="article")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=4, help="global sequences per step")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=2, help="runs of each variant, alternating")
+    p.add_argument("--world-size", type=at_least(1), default=2)
+    p.add_argument("--batch-size", type=at_least(1), default=4, help="global sequences per step")
+    p.add_argument("--seq-len", type=at_least(1), default=64)
+    p.add_argument("--steps", type=at_least(1), default=2)
+    p.add_argument("--repeats", type=at_least(1), default=2, help="runs of each variant, alternating")
     args = p.parse_args()
     if not bench.fsdp_available():
-        print(f"error: bench_grouping.py measures FSDP2, which needs torch 2.6 or newer (this is {torch.__version__})",
-              file=sys.stderr)
-        sys.exit(2)
+        raise UsageError(f"bench_grouping.py measures FSDP2, which needs torch 2.6 or newer (this is {torch.__version__})")
+    bench.check_shape(args.model, args.seq_len, args.batch_size, args.world_size)
     memory = "CUDA max allocated" if torch.cuda.is_available() else "peak RSS"
     print(f"{args.model} model, {args.world_size} ranks, {args.batch_size} x {args.seq_len} tokens per step: "
           f"{memory} per rank (MiB)")
@@ -92,4 +92,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    stopping.exit_on_usage_error(main)  # bad flags: one line, exit status 2

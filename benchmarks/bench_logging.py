@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
-from training import config, metrics  # noqa: E402
+from training import config, errors, metrics, stopping  # noqa: E402
 
 HERE = Path(__file__).resolve().parents[1]  # the repository root: train_dp.py
 
@@ -37,9 +37,9 @@ def timed(cls, name: str, spent: list):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--log-every", type=int, default=10)
+    parser = errors.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=errors.at_least(1), default=100)
+    parser.add_argument("--log-every", type=errors.at_least(1), default=10)
     args = parser.parse_args()
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
@@ -71,4 +71,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    stopping.exit_on_usage_error(main)  # bad flags: one line, exit status 2

@@ -35,17 +35,24 @@ VARIANTS = {"decoder alone": [], "full logits": [], "chunked loss": [], "+ act. 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="article", help="model preset (vocabulary: the training preset's)")
-    p.add_argument("--batch", type=int, nargs="+", default=[8, 16], help="micro-batches to measure, in sequences")
-    p.add_argument("--seq-len", type=int, default=512)
+    from model import PRESETS
+    from training.errors import ArgumentParser, at_least, path_argument
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="article", choices=sorted(PRESETS),
+                   help="model preset (vocabulary: the training preset's)")
+    p.add_argument("--batch", type=at_least(1), nargs="+", default=[8, 16], help="micro-batches to measure, in sequences")
+    p.add_argument("--seq-len", type=at_least(1), default=512)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per row and batch (after one untimed)")
-    p.add_argument("--gpu-gb", type=float, default=24.0, help="GPU memory for Table 3, in GB")
+    p.add_argument("--steps", type=at_least(1), default=2, help="timed steps per row and batch (after one untimed)")
+    p.add_argument("--gpu-gb", type=at_least(1e-3, float), default=24.0, help="GPU memory for Table 3, in GB")
     p.add_argument("--estimate-only", action="store_true", help="Table 3 alone: no measurement")
-    p.add_argument("--json", default="bench_memory.json")
-    p.add_argument("--one", nargs=2, metavar=("VARIANT", "BATCH"), help=argparse.SUPPRESS)  # a worker's row
-    return p.parse_args(argv)
+    p.add_argument("--json", type=path_argument, default="bench_memory.json")
+    p.add_argument("--one", nargs=3, metavar=("VARIANT", "BATCH", "VOCAB"), help=argparse.SUPPRESS)  # a worker's row
+    args = p.parse_args(argv)
+    if not args.one:  # (a worker's row: its parent checked the flags)
+        from benchmarks.bench import check_shape
+        check_shape(args.model, args.seq_len, min(args.batch), 1)
+    return args
 
 
 def peak_bytes(device) -> int:
@@ -56,16 +63,15 @@ def peak_bytes(device) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
 
 
-def measure_one(args, variant: str, batch: int) -> dict:
-    """One row in this (fresh) process: peak memory above the built model, and step time."""
+def measure_one(args, variant: str, batch: int, vocab_size: int) -> dict:
+    """One row in this (fresh) process: peak memory above the built model, and step time. (The
+    vocabulary from the parent: training.config would import `datasets` into every row.)"""
     import torch
     import torch.nn.functional as F
 
-    from training import config
     from model import IGNORE_INDEX, PRESETS, LlamaConfig, LlamaForPretraining
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    vocab_size = config.TRAINING_PRESETS[args.model]["vocab_size"]
     torch.manual_seed(0)
     model = LlamaForPretraining(LlamaConfig(vocab_size=vocab_size, **PRESETS[args.model])).to(device)
     model.compute_dtype = dtype
@@ -109,8 +115,10 @@ def measure_one(args, variant: str, batch: int) -> dict:
 def run_row(args, variant: str, batch: int) -> dict:
     """A fresh process for one row: a process's peak RSS never goes down."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    cmd = [sys.executable, __file__, "--one", variant, str(batch), "--model", args.model, "--seq-len",
-           str(args.seq_len), "--dtype", args.dtype, "--steps", str(args.steps)]
+    from training.config import TRAINING_PRESETS
+    vocab_size = TRAINING_PRESETS[args.model]["vocab_size"]
+    cmd = [sys.executable, __file__, "--one", variant, str(batch), str(vocab_size), "--model", args.model,
+           "--seq-len", str(args.seq_len), "--dtype", args.dtype, "--steps", str(args.steps)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
     return json.loads(out.splitlines()[-1])
 
@@ -161,7 +169,7 @@ def fits_table(args) -> list:
 def main(argv=None):
     args = parse_args(argv)
     if args.one:
-        print(json.dumps(measure_one(args, args.one[0], int(args.one[1]))))
+        print(json.dumps(measure_one(args, args.one[0], int(args.one[1]), int(args.one[2]))))
         return
     if args.estimate_only:
         print_fits(args, fits_table(args))
@@ -206,4 +214,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from training import stopping
+    stopping.exit_on_usage_error(main)  # bad flags: one line, exit status 2

@@ -28,7 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
 from model import PRESETS, LlamaConfig, LlamaForPretraining  # noqa: E402
+from training import stopping  # noqa: E402
 from training.config import TRAINING_PRESETS  # noqa: E402
+from training.errors import ArgumentParser, at_least  # noqa: E402
 
 
 def shard_elements(shapes: list[torch.Size], shards: int) -> int:
@@ -59,10 +61,10 @@ def model_shapes(preset: str) -> list[torch.Size]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--grad-accum", type=int, default=4, help="micro-steps a step, for the last column")
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=at_least(1), default=2)
+    p.add_argument("--gpus-per-node", type=at_least(1), default=8)
+    p.add_argument("--grad-accum", type=at_least(1), default=4, help="micro-steps a step, for the last column")
     args = p.parse_args(argv)
     accum = args.grad_accum
     print(f"GB each rank sends per optimizer step, {args.nodes} nodes of {args.gpus_per_node} GPUs, bf16 "
@@ -80,4 +82,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    stopping.exit_on_usage_error(main)  # bad flags: one line, exit status 2

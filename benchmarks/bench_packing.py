@@ -28,21 +28,29 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
 
 
-def parse_args():
+def parse_args(argv=None):
     import torch
+    from benchmarks import bench, bench_data
+    from model import PRESETS
+    from training.errors import ArgumentParser, at_least, path_argument
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024])
-    p.add_argument("--model", default="article" if cuda else "tiny", help="model preset")
-    p.add_argument("--batch-size", type=int, default=64 if cuda else 8, help="rows a step, in both layouts")
-    p.add_argument("--steps", type=int, default=10 if cuda else 4, help="timed steps a round")
-    p.add_argument("--rounds", type=int, default=5 if cuda else 3, help="turns each layout takes")
-    p.add_argument("--mb", type=int, default=200, help="MB of text to generate")
-    p.add_argument("--data", help="a parquet file with a `text` column (default: generate one)")
-    p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "bench_data"),
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", type=at_least(1), nargs="+", default=[512, 1024])
+    p.add_argument("--model", default="article" if cuda else "tiny", choices=sorted(PRESETS), help="model preset")
+    p.add_argument("--batch-size", type=at_least(1), default=64 if cuda else 8, help="rows a step, in both layouts")
+    p.add_argument("--steps", type=at_least(1), default=10 if cuda else 4, help="timed steps a round")
+    p.add_argument("--rounds", type=at_least(1), default=5 if cuda else 3, help="turns each layout takes")
+    p.add_argument("--mb", type=at_least(1), default=200, help="MB of text to generate")
+    p.add_argument("--data", type=path_argument, help="a parquet file with a `text` column (default: generate one)")
+    p.add_argument("--data-dir", type=path_argument, default=os.path.join(tempfile.gettempdir(), "bench_data"),
                    help="where the generated corpus is kept between runs (bench_data.py's)")
-    p.add_argument("--vocab-size", type=int, default=50000, help="BPE size (the article preset's)")
-    return p.parse_args()
+    p.add_argument("--vocab-size", type=at_least(bench_data.MIN_VOCAB), default=50000,
+                   help="BPE size (the article preset's)")
+    args = p.parse_args(argv)
+    for seq_len in args.seq_lens:  # before the corpus and its BPE are made: a minute
+        bench.check_shape(args.model, seq_len, args.batch_size, 1)
+    bench_data.check_data(args.data)
+    return args
 
 
 def prepare(path, tokenizer_path, seq_len, pack):
@@ -71,16 +79,17 @@ def prepare(path, tokenizer_path, seq_len, pack):
 
 
 def batches(dataset, batch_size, n, device):
-    """n shuffled batches of the layout, on the device: (x, y, position_ids or None)."""
+    """n shuffled batches of the layout, on the device: (x, y), packed rows' with their position_ids and cu_seqlens."""
     import torch
     import data
+    from training import read_ahead
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=data.ResumableRandomSampler(dataset, 0),
                                          drop_last=True)
-    return [data.on_device(batch, device) for batch, _ in zip(loader, range(n))]
+    return [read_ahead.on_device(batch, device) for batch, _ in zip(loader, range(n))]
 
 
 def trainer(args, vocab_size, seq_len, device):
-    """One optimizer step of the model the trainers build, on a batch: step(x, y, position_ids);
+    """One optimizer step of the model the trainers build, on a batch: step(x, y, *packing);
     the dtype it computes in, and its FLOPs a token (metrics' count, for MFU)."""
     import torch
     from training import build, config, launch
@@ -91,8 +100,8 @@ def trainer(args, vocab_size, seq_len, device):
         model.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
-    def step(x, y, position_ids):
-        loss_sum, n = model(x, y, position_ids)
+    def step(x, y, *packing):
+        loss_sum, n = model(x, y, *packing)
         (loss_sum.sum() / n.sum()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -104,8 +113,8 @@ def timed_round(step, batches, device):
     import torch
     positions = tokens = 0
     start = time.perf_counter()
-    for x, y, position_ids in batches:
-        step(x, y, position_ids)
+    for x, y, *packing in batches:
+        step(x, y, *packing)
         positions, tokens = positions + y.numel(), tokens + (y != -100).sum()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -113,15 +122,16 @@ def timed_round(step, batches, device):
     return positions / seconds, int(tokens) / seconds
 
 
-def attention_seconds(model: str, dtype, position_ids, repeats: int = 5) -> dict:
+def attention_seconds(model: str, dtype, position_ids, cu_seqlens, repeats: int = 5) -> dict:
     """Seconds of one layer's attention forward and backward on random q, k, v of the model's
-    heads, with the packed rows' real position_ids: padded rows' is_causal kernel, packed rows'
-    path (packed_attention.attention: flex on CUDA, query blocks on a CPU), and the plain
-    formulation it replaces (one call under the whole mask); and of making the packed rows'
-    mask, which the model does once a forward for all its layers. The median of `repeats`."""
+    heads, with the packed rows' real position_ids and cu_seqlens: padded rows' is_causal kernel,
+    packed rows' paths (packed_attention.attention: on CUDA flex, and varlen where this torch
+    serves it, the two kernels --packed-attention chooses between; query blocks on a CPU), and
+    the plain formulation they replace (one call under the whole mask); and of making the packed
+    rows' mask, which the model does once a forward for all its layers. The median of `repeats`."""
     import torch
     import torch.nn.functional as F
-    from training import packed_attention
+    from ops import packed_attention
     from model import PRESETS
     shape = PRESETS[model]
     B, T = position_ids.shape
@@ -132,9 +142,12 @@ def attention_seconds(model: str, dtype, position_ids, repeats: int = 5) -> dict
     mask = packed_attention.window_mask(position_ids, dtype)  # a BlockMask on CUDA, a tensor on a CPU
     dense = packed_attention.window_mask(position_ids.cpu(), dtype).to(device)  # a tensor on every device
     paths = {"is_causal (padded)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-             "packed_attention (packed)": lambda: packed_attention.attention(q, k, v, mask),
-             "one call under the mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense,
-                                                                               enable_gqa=True)}
+             f"{'flex' if device.type == 'cuda' else 'query blocks'} (packed)":
+                 lambda: packed_attention.attention(q, k, v, mask)}
+    if device.type == "cuda" and packed_attention.varlen_with_gqa():
+        windows = packed_attention.window_mask(position_ids, dtype, cu_seqlens)
+        paths["varlen (packed)"] = lambda: packed_attention.attention(q, k, v, windows)
+    paths["one call under the mask"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
     seconds = {name: median_seconds(lambda: attend().sum().backward(), device, repeats) for name, attend in paths.items()}
     seconds["making the packed mask"] = median_seconds(lambda: packed_attention.window_mask(position_ids, dtype),
                                                        device, repeats)
@@ -191,8 +204,8 @@ def main():
         step, dtype, flops_per_token = trainer(args, vocab_size, seq_len, device)
         for layout in layouts.values():  # every step a batch of its own: a fair sample of the padding
             layout["batches"] = batches(layout["train"], args.batch_size, 2 + args.steps * args.rounds, device)
-            for x, y, position_ids in layout["batches"][:2]:  # warm-up (and compile) untimed
-                step(x, y, position_ids)
+            for x, y, *packing in layout["batches"][:2]:  # warm-up (and compile) untimed
+                step(x, y, *packing)
             layout["rounds"] = []
         for r in range(args.rounds):  # the layouts take turns: the machine's drift falls on both
             for layout in layouts.values():
@@ -216,7 +229,7 @@ def main():
               f"{packed['positions_per_s'] / padded['positions_per_s']:.2f}x, real tokens/s "
               f"{packed['tokens_per_s'] / padded['tokens_per_s']:.2f}x (over an epoch's padding: "
               f"{epoch[1] / epoch[0]:.2f}x)")
-        attention = attention_seconds(args.model, dtype, packed["batches"][0][2])
+        attention = attention_seconds(args.model, dtype, *packed["batches"][0][2:])
         print(f"  attention alone, a layer's forward and backward ({args.batch_size} rows, the model's heads), and the "
               f"packed mask (once a forward): "
               + ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in attention.items()))
@@ -227,4 +240,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from training import stopping
+    stopping.exit_on_usage_error(main)  # bad flags: one line, exit status 2

@@ -141,10 +141,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 def isolated(argv: list[str]):
     """Run a script's code in this process with sys.argv = argv and one thread, as run_script's
     processes have, and leave nothing behind: the signal handlers, the --out-dir lock, the
-    thread count, the RNG state and sys.argv are restored afterwards."""
+    thread count, the float32 matmul precision (a run on CUDA sets TF32), the RNG state and
+    sys.argv are restored afterwards."""
     from training import run_folder
     handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     threads, rng, locks, saved_argv = torch.get_num_threads(), torch.get_rng_state(), len(run_folder._LOCKS), sys.argv
+    precision = torch.get_float32_matmul_precision()
     sys.argv = argv
     torch.set_num_threads(1)
     try:
@@ -152,6 +154,7 @@ def isolated(argv: list[str]):
     finally:
         sys.argv = saved_argv
         torch.set_num_threads(threads)
+        torch.set_float32_matmul_precision(precision)
         torch.set_rng_state(rng)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -206,20 +209,59 @@ def train(script: str, args: list[str], nproc: int = 0, perturb: str | None = No
     return run_script(script, args, nproc=nproc, **kwargs).stdout
 
 
+# What one test could change for the tests after it in the same worker: each read here, and
+# set back with its setter. (TF32 on, a test comparing fp32 kernels later reads 1e-3 of rounding.)
+PROCESS_STATE = {
+    "float32 matmul precision": (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+    "thread count": (torch.get_num_threads, torch.set_num_threads),
+    "default dtype": (torch.get_default_dtype, torch.set_default_dtype),
+    "deterministic algorithms": (torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms),
+    "grad mode": (torch.is_grad_enabled, torch.set_grad_enabled),
+    "working directory": (os.getcwd, os.chdir),
+    "environment": (lambda: {k: v for k, v in os.environ.items() if k not in NOT_THE_TESTS},
+                    lambda env: os.environ.update(env) or [os.environ.pop(k) for k in set(os.environ) - set(env)
+                                                           if k not in NOT_THE_TESTS]),
+}
+# Variables libraries set for themselves, once: pytest's name of the test running; inductor's cache
+# folder and its own pointer (set on its first use); W&B's service, started by the first wandb.init
+NOT_THE_TESTS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+                 "WANDB_SERVICE"}
+
+
+@pytest.fixture
+def matmul_precision():
+    """For a test that sets the float32 matmul precision (launch.compute_dtype does, for CUDA):
+    set back after it, as every test must leave it (PROCESS_STATE)."""
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
 @pytest.fixture(autouse=True)
 def leaves_the_test_process_as_it_found_it():
     """Every test starts from the same RNG state, so unseeded inputs do not depend on which
-    tests ran before; and no test may leave a signal handler or an --out-dir lock behind (a
-    leftover SIGTERM handler would make pytest ignore CI's SIGTERM)."""
+    tests ran before; and no test may leave a signal handler, an --out-dir lock or any of
+    PROCESS_STATE changed behind (a leftover SIGTERM handler would make pytest ignore CI's
+    SIGTERM): what it changed is set back, and the test fails, naming it."""
     from training import run_folder
     handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     locks = list(run_folder._LOCKS)
     rng, py_rng = torch.get_rng_state(), random.getstate()
+    state = {name: get() for name, (get, _) in PROCESS_STATE.items()}
     torch.manual_seed(0)
     random.seed(0)
     yield
     torch.set_rng_state(rng)
     random.setstate(py_rng)
+    now = {name: get() for name, (get, _) in PROCESS_STATE.items()}
+    changed = {name: now[name] for name in now if now[name] != state[name]}
+    if "environment" in changed:  # which variables
+        was = state["environment"]
+        changed["environment"] = {k: (was.get(k), v) for k, v in {**was, **now["environment"]}.items()
+                                  if was.get(k) != now["environment"].get(k)}
+    for name in changed:
+        PROCESS_STATE[name][1](state[name])
+    assert not changed, f"the test left the process changed: {changed}"
     assert {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} == handlers, "the test left signal handlers behind"
     assert run_folder._LOCKS == locks, "the test left an --out-dir locked"
 

@@ -156,11 +156,11 @@ if "diverge-mid-save" in faults and armed:
     diverged = threading.Event()
     real_stop_if_diverged, real_write_data = stopping.stop_if_diverged, FileSystemWriter.write_data
 
-    def nan_at_step(step, cfg, loss=None, grad_norm=None, model=None):
+    def nan_at_step(step, cfg, loss=None, grad_norm=None, model=None, vocab_size=None):
         if step == at_step and loss is not None:
             diverged.set()  # the UsageError is on its way
             loss = float("nan")
-        return real_stop_if_diverged(step, cfg, loss=loss, grad_norm=grad_norm, model=model)
+        return real_stop_if_diverged(step, cfg, loss, grad_norm, model, vocab_size)
 
     def write_after_divergence(self, *args, **kwargs):
         diverged.wait()

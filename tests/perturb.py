@@ -26,9 +26,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the trainer's modules
-import data  # noqa: E402
 from model import IGNORE_INDEX, LlamaLMHead  # noqa: E402
-from training import build, chunked_loss  # noqa: E402
+from ops import chunked_loss  # noqa: E402
+from training import build  # noqa: E402
+from training.read_ahead import ReadAhead  # noqa: E402
 
 
 def full_logits_loss(lm_head, h, targets):
@@ -45,12 +46,12 @@ def full_logits_head(self, h, targets=None):
 @contextlib.contextmanager
 def perturbed(perturbation: str):
     real_next_micro_batches, real_make_optimizer, real_all_reduce = (
-        data.next_micro_batches, build.optimizer, dist.all_reduce)
+        ReadAhead.__next__, build.optimizer, dist.all_reduce)
     real_head, real_chunk_tokens = LlamaLMHead.forward, chunked_loss.chunk_tokens
     calls = []
 
     def reversed_micro_batches(*args, **kwargs):
-        return [tuple(t if t is None else t.flip(0) for t in micro_batch)  # position_ids too, with --pack
+        return [tuple(t.flip(0) for t in micro_batch)  # position_ids and cu_seqlens too, with --pack
                 for micro_batch in real_next_micro_batches(*args, **kwargs)]
 
     def one_dropped(*args, **kwargs):
@@ -69,9 +70,9 @@ def perturbed(perturbation: str):
         return real_all_reduce(tensor, *args, **kwargs)
 
     if perturbation == "reverse-batches":
-        data.next_micro_batches = reversed_micro_batches
+        ReadAhead.__next__ = reversed_micro_batches
     elif perturbation == "drop-micro-batch":
-        data.next_micro_batches = one_dropped
+        ReadAhead.__next__ = one_dropped
     elif perturbation == "lr-off-by-one":
         build.optimizer = schedule_one_ahead
     elif perturbation == "per-rank-mean":
@@ -85,7 +86,7 @@ def perturbed(perturbation: str):
     try:
         yield
     finally:
-        data.next_micro_batches, build.optimizer, dist.all_reduce = (
+        ReadAhead.__next__, build.optimizer, dist.all_reduce = (
             real_next_micro_batches, real_make_optimizer, real_all_reduce)
         LlamaLMHead.forward, chunked_loss.chunk_tokens = real_head, real_chunk_tokens
 

@@ -33,7 +33,7 @@ def recording(spy_dir, compiled: bool = False):
         if isinstance(module, torch.nn.Linear) and output.dim() > 0:  # 0-dim: the LM head's loss, not its matmul
             dtypes.add(str(output.dtype).removeprefix("torch."))
 
-    from training import chunked_loss
+    from ops import chunked_loss
     real_chunked_loss = chunked_loss.chunked_loss
 
     def record_loss_dtype(h, weight, targets, chunk, dtype):  # the LM head's three matmuls run in dtype

@@ -93,32 +93,34 @@ FRESH_RUN_CASES = [
     ("tokenizer-with-a-gap-in-its-ids", "train_dp.py", ["--tokenizer", "{gap}"],  # was an IndexError at step 1
      "has 5 tokens but ids up to 450: a tokenizer whose ids have gaps is not supported"),
     ("tokenizer-with-a-huge-id", "train_fsdp.py", ["--tokenizer", "{huge_id}"],  # was minutes and gigabytes
-     "has 5 tokens but ids up to 1,000,000,000"),
+     "has 5 tokens but ids up to 10,000,000"),
 ]
+
+
+def bad_file(name: str, folder) -> str:
+    """One of the bad inputs FRESH_RUN_CASES names, written into folder (only the one a case
+    uses: a tokenizer with an id of 10**9 took 1.7 s to save)."""
+    documents = {"empty": "", "jsonl": json.dumps({"text": "a document"}) + "\n",
+                 "numbers": json.dumps({"text": 5}) + "\n", "lists": json.dumps({"text": ["a", "b"]}) + "\n",
+                 "nested": json.dumps({"text": "x", "meta": {"lang": "en"}}) + "\n"}
+    if name in documents:
+        path = folder / f"{name}.{'txt' if name == 'empty' else 'jsonl'}"
+        path.write_text(documents[name])
+        return str(path)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"[PAD]": 0, "[BOT]": 1, "[EOT]": 2, "the": 3} if name == "wordlevel" else \
+        {"[PAD]": 0, "[BOT]": 1, "[EOT]": 2, "[UNK]": 3, "the": {"gap": 450, "huge_id": 10**7}[name]}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / f"{name}.json"))
+    return str(folder / f"{name}.json")
 
 
 @pytest.mark.parametrize("case, script, extra, message", FRESH_RUN_CASES, ids=[c[0] for c in FRESH_RUN_CASES])
 def test_bad_invocation_of_a_new_run(tmp_path, corpus, plain_tokenizer, case, script, extra, message, monkeypatch,
                                      capsys):
-    (tmp_path / "empty.txt").write_text("")
-    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "a document"}) + "\n")
-    (tmp_path / "numbers.jsonl").write_text(json.dumps({"text": 5}) + "\n")
-    (tmp_path / "lists.jsonl").write_text(json.dumps({"text": ["a", "b"]}) + "\n")
-    (tmp_path / "nested.jsonl").write_text(json.dumps({"text": "x", "meta": {"lang": "en"}}) + "\n")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    wordlevel = Tokenizer(models.WordLevel({"[PAD]": 0, "[BOT]": 1, "[EOT]": 2, "the": 3}, unk_token="[UNK]"))
-    wordlevel.pre_tokenizer = pre_tokenizers.Whitespace()
-    wordlevel.save(str(tmp_path / "wordlevel.json"))
-    for name, the in (("gap", 450), ("huge_id", 10**9)):
-        gappy = Tokenizer(models.WordLevel({"[PAD]": 0, "[BOT]": 1, "[EOT]": 2, "[UNK]": 3, "the": the},
-                                           unk_token="[UNK]"))
-        gappy.pre_tokenizer = pre_tokenizers.Whitespace()
-        gappy.save(str(tmp_path / f"{name}.json"))
-    fill = {"{empty}": str(tmp_path / "empty.txt"), "{jsonl}": str(tmp_path / "c.jsonl"),
-            "{wordlevel}": str(tmp_path / "wordlevel.json"), "{gap}": str(tmp_path / "gap.json"),
-            "{huge_id}": str(tmp_path / "huge_id.json"),
-            "{plain_tokenizer}": str(plain_tokenizer), "{numbers}": str(tmp_path / "numbers.jsonl"),
-            "{lists}": str(tmp_path / "lists.jsonl"), "{nested}": str(tmp_path / "nested.jsonl")}
+    fill = {a: str(plain_tokenizer) if a == "{plain_tokenizer}" else bad_file(a[1:-1], tmp_path)
+            for a in extra if a.startswith("{")}
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("the user's own file")  # must survive untouched
@@ -540,16 +542,14 @@ def test_init_from_takes_a_vocab_size_that_is_the_weights_own(finished_run, corp
 
 
 @pytest.mark.parametrize("again", [[], ["--init-from", "{source}"]], ids=["resume", "init-from-and-resume"])
-def test_a_run_started_from_weights_resumes_as_its_stop_message_says(finished_run, corpus, tmp_path, again):
+def test_a_run_started_from_weights_resumes_as_its_stop_message_says(runs, finished_run, corpus, tmp_path, again):
     """Started with --init-from and stopped, it continues with --resume (its own tokenizer.json,
     whose vocabulary no --vocab-size gave), with or without the --init-from of its job script,
     and ends where the same run never stopped ends."""
+    from test_training import warm_started
     fast = [a for a in FAST if a not in ("--vocab-size", "300")]
     args = ["--dataset", str(corpus), *fast]
-    source = ["--init-from", str(finished_run)]
-    straight, half = tmp_path / "straight", tmp_path / "half"
-    train("train_dp.py", [*args, *source, "--out-dir", str(straight)])
-    train("train_dp.py", [*args, *source, "--stop-at-step", "4", "--out-dir", str(half)])
+    straight, half = warm_started(runs), runs.copy(warm_started(runs, "--stop-at-step", "4"), tmp_path / "half")
     again = [str(finished_run) if a == "{source}" else a for a in again]
     train("train_dp.py", [*args, *again, "--resume", "--out-dir", str(half)])
     assert_same_weights(half, straight)

@@ -133,7 +133,7 @@ def test_compiled_the_chunked_loss_gives_the_loss_and_gradients_of_eager():
     incoming gradient of a Function that changed its returned tensor in place to the wrong
     output, and every gradient was exactly 0 (pytorch/pytorch#180642); on this torch, tracing
     `loss += ...` the same way gives 0 gradients too (the mutant this test fails on)."""
-    from training.chunked_loss import ChunkedCrossEntropy
+    from ops.chunked_loss import ChunkedCrossEntropy
 
     def loss_fn(h, weight, targets):
         return ChunkedCrossEntropy.apply(h, weight, targets, 100, torch.float32)

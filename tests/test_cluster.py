@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import REPO, launch_env
+from conftest import REPO, launch_env, script_in_process
 from test_failures import fault_env
 from tools import check_cluster
 
@@ -177,7 +177,11 @@ def test_any_difference_in_gpu_kind_or_nccl_is_called_out():
     (["--timeout-seconds", "nan"], "--timeout-seconds must be at least 1 and at most a day (86400), got nan"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
-def test_bad_flags_are_one_line_and_exit_2(flags, message):
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "check_cluster.py"), *flags], cwd=REPO,
-                          env=launch_env(), capture_output=True, text=True, timeout=120)
-    assert (proc.returncode, proc.stderr) == (2, f"error: {message}\n")
+def test_bad_flags_are_one_line_and_exit_2(flags, message, capsys):
+    if flags == ["--bogus"]:  # one as a user runs it, in a process of its own
+        proc = subprocess.run([sys.executable, str(REPO / "tools" / "check_cluster.py"), *flags], cwd=REPO,
+                              env=launch_env(), capture_output=True, text=True, timeout=120)
+        assert (proc.returncode, proc.stderr) == (2, f"error: {message}\n")
+    else:  # the same entry point, in this process: seconds faster
+        assert script_in_process("tools/check_cluster.py", flags) == 2
+        assert capsys.readouterr().err == f"error: {message}\n"

@@ -14,9 +14,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from conftest import FAST, FLOOR_MULTIPLE, assert_within, load_weights, max_weight_diff, metrics, run_script
 from model import LlamaConfig, LlamaForPretraining, LlamaLMHead, compute_dtype
-from test_packing import (attended, attention_inputs, both_layouts, in_one_call, packed_in_padded_order,
-                          padded_reference, relative_distance, small_model, with_flex)
-from training import launch, packed_attention, weights
+from test_packing import (attended, attention_inputs, both_layouts, bounds_from_positions, in_one_call,
+                          packed_in_padded_order, padded_reference, relative_distance, small_model, with_flex)
+from ops import packed_attention
+from training import launch, weights
 from training.metrics import peak_tflops
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -25,13 +26,24 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 GPU_FAST = [*FAST[:FAST.index("--dtype")], "--dtype", "bf16", "--compile"]
 
 
+@pytest.fixture
+def full_fp32():
+    """fp32 matmuls in full fp32 for the test, whatever ran before it: a CUDA run sets TF32
+    ("high") for its process (launch.compute_dtype), and under it flex's fp32 kernel was 2.7e-4
+    from an fp32 reference, 31,000x the floor, where in full fp32 it is 2.5e-7."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
 @pytest.fixture(scope="module")
 def small_config():
     return LlamaConfig(vocab_size=128, max_position_embeddings=256, hidden_size=256, intermediate_size=512,
                        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
 
 
-def test_auto_is_bf16_on_this_gpu_when_it_computes_bf16_natively():
+def test_auto_is_bf16_on_this_gpu_when_it_computes_bf16_natively(full_fp32):  # (which it sets back)
     gpu = torch.device("cuda", 0)
     native = torch.cuda.get_device_capability(gpu) >= (8, 0)
     assert launch.compute_dtype("auto", gpu) == (torch.bfloat16 if native else torch.float32)
@@ -108,7 +120,7 @@ def test_dataparallel_replicas_compute_in_bf16(small_config):
         assert all(loss_sum.dtype == torch.float32 for loss_sum, _ in outputs)
 
 
-def test_sdpa_serves_gqa_with_the_flash_kernel_in_bf16_and_a_memory_efficient_one_in_fp32(small_config):
+def test_sdpa_serves_gqa_with_the_flash_kernel_in_bf16_and_a_memory_efficient_one_in_fp32(small_config, full_fp32):
     """Only the flash kernel takes enable_gqa, and only in bf16/fp16; in fp32 the model
     repeats the key/value heads so that the memory-efficient kernel runs, not the math one."""
     if torch.cuda.get_device_capability(0) < (8, 0):
@@ -157,7 +169,7 @@ def on_gpu(*tensors, dtype=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_flex_attention_computes_the_packed_mask_forward_and_backward(dtype):
+def test_flex_attention_computes_the_packed_mask_forward_and_backward(dtype, full_fp32):
     """Compiled flex attention under the BlockMask against the plain formulation (one SDPA call
     under the whole mask), the output and the gradients of q, k and v. 600 positions: not a
     multiple of flex's blocks of 128. The floor: the plain formulation by SDPA's math kernel
@@ -173,7 +185,39 @@ def test_flex_attention_computes_the_packed_mask_forward_and_backward(dtype):
                   FLOOR_MULTIPLE)
 
 
-def test_a_packed_row_on_the_gpu_computes_what_its_windows_compute_alone():
+@pytest.mark.skipif(not packed_attention.varlen_with_gqa(), reason="varlen_attn serves GQA from torch 2.12")
+def test_varlen_attention_over_the_windows_computes_the_packed_mask_forward_and_backward(full_fp32):
+    """--packed-attention varlen: CUDA's varlen_attn (flash attention: bf16) over the loader's
+    cu_seqlens against the plain formulation, output and gradients; the floor as for flex."""
+    dtype = torch.bfloat16
+    q, k, v, position_ids = attention_inputs(600, D=64)
+    cu_seqlens = bounds_from_positions(position_ids, int((position_ids == 0).sum(1).max()) + 2)
+    inputs = on_gpu(q, k, v, position_ids, dtype=dtype)
+    plain = attended(in_one_call, *inputs)
+    with sdpa_kernel(SDPBackend.MATH):
+        math = attended(in_one_call, *inputs)
+    floor = max(relative_distance(math, plain), torch.finfo(dtype).eps)
+    windows = packed_attention.window_mask(inputs[3], dtype, cu_seqlens.cuda())
+
+    def with_varlen(q, k, v, position_ids):
+        return packed_attention.attention(q, k, v, windows)
+    assert_within(f"varlen vs SDPA, {dtype}", relative_distance(attended(with_varlen, *inputs), plain), floor,
+                  FLOOR_MULTIPLE)
+
+
+@pytest.mark.parametrize("device", ["cuda:0", "cuda"])  # train_dp.py's is "cuda": the current GPU
+def test_the_read_ahead_copies_each_step_onto_the_gpu_as_the_loader_gives_it(device):
+    """Pinned by the loader, copied on the reader's own stream, waited for by the step's."""
+    from training.read_ahead import ReadAhead
+    items = torch.utils.data.TensorDataset(torch.arange(64).view(16, 4), torch.arange(64).view(16, 4) * 2)
+    loader = torch.utils.data.DataLoader(items, batch_size=2, pin_memory=True)
+    steps = list(ReadAhead(loader, grad_accum=2, device=torch.device(device), steps=4))
+    on_gpu_rows = [t for step in steps for batch in step for t in batch]
+    assert all(t.is_cuda for t in on_gpu_rows)
+    assert all(torch.equal(t.cpu(), want) for t, want in zip(on_gpu_rows, [t for batch in loader for t in batch]))
+
+
+def test_a_packed_row_on_the_gpu_computes_what_its_windows_compute_alone(full_fp32):
     """test_packing's per-token proof on the GPU (fp32): packed rows through flex attention,
     padded ones through SDPA's is_causal kernel. The floor: the padded rows under SDPA's math
     kernel against its default one, or in reverse order."""
@@ -193,6 +237,11 @@ def test_train_dp_packed_in_bf16_with_compile_trains_resumes_and_writes_plain_we
     trains_resumes_and_loads(runs, tmp_path, "train_dp.py", nproc=0, extra=["--pack"])
 
 
+@pytest.mark.skipif(not packed_attention.varlen_with_gqa(), reason="varlen_attn serves GQA from torch 2.12")
+def test_train_ddp_packed_with_varlen_attention(runs, tmp_path):
+    trains_resumes_and_loads(runs, tmp_path, "train_ddp.py", nproc=1, extra=["--pack", "--packed-attention", "varlen"])
+
+
 def test_train_fsdp_packed_with_each_layer_compiled(runs, tmp_path):
     """FSDP compiles each decoder layer: flex attention runs inside the compiled layers, the
     BlockMask is made once outside them."""
@@ -200,7 +249,7 @@ def test_train_fsdp_packed_with_each_layer_compiled(runs, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_dataparallel_scatters_the_row_structure_with_the_rows():
+def test_dataparallel_scatters_the_row_structure_with_the_rows(full_fp32):
     """Real nn.DataParallel over two GPUs: each replica gets its rows' position_ids and builds
     its own BlockMask; the gathered loss is the one module's over the whole batch. The floor:
     the whole batch in reverse order."""

@@ -204,10 +204,13 @@ def test_every_token_of_every_document_is_a_target_once(seq_len, monkeypatch):
     assert sum(len(w) - 1 for w in windows) == sum(len(e.ids) + 1 for e in encoded)  # each target once
 
 
-def test_a_huge_document_is_encoded_in_pieces_never_whole(tokenizer):
+def test_a_huge_document_is_encoded_in_pieces_never_whole(tokenizer, monkeypatch):
     """45 MB in one line would take gigabytes to encode whole: the encoder is given pieces cut
     where no token changes, and the windows are those of the whole document. One piece of
-    8 MB of letters has no such cut: it is cut anyway, and no character is lost."""
+    letters with no such cut is cut anyway, and no character is lost. Pieces of 1,000 to
+    2,000 characters here (100,000 to 200,000 in a run), documents 80 times that: the same
+    cuts, a hundredth of the text."""
+    monkeypatch.setattr(data, "PIECE_CHARS", 1_000)
     seen = []
 
     class Recording:  # the real tokenizer, recording how much text it is given
@@ -218,9 +221,9 @@ def test_a_huge_document_is_encoded_in_pieces_never_whole(tokenizer):
             seen.extend(map(len, texts))
             return tokenizer.encode_batch_fast(texts, **kwargs)
 
-    huge = " ".join(["gradients flow back through every layer"] * 200_000)  # 8 MB
-    minified = json.dumps([{"layer": i, "grad": [0.5, 1.5]} for i in range(200_000)], separators=(",", ":"))
-    letters = "abcdefgh" * 1_000_000  # 8 MB, one piece: no cut between two tokens is known to be exact
+    huge = " ".join(["gradients flow back through every layer"] * 2_000)  # 80 pieces' worth
+    minified = json.dumps([{"layer": i, "grad": [0.5, 1.5]} for i in range(2_000)], separators=(",", ":"))
+    letters = "abcdefgh" * 10_000  # one piece: no cut between two tokens is known to be exact
     windows = data._encode({"text": [huge, minified, DOCS[0]]}, Recording(), seq_len=512, exact_cuts=True)["input_ids"]
     assert [w.tolist() for w in windows] == windows_of_whole_documents([huge, minified, DOCS[0]], tokenizer, 512)
     assert max(seen) <= 2 * data.PIECE_CHARS + 16  # never a whole document

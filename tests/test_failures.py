@@ -2,6 +2,7 @@
 nodes, Slurm, and checkpoint files crafted to run code. Each test ends by comparing final
 weights or file contents with an uninterrupted run."""
 
+import dataclasses
 import os
 import re
 import shutil
@@ -16,7 +17,8 @@ import torch
 
 from conftest import (FAST, FAST_WITH_TOKENIZER, REPO, ddp_two_ranks, launch_env, load_weights, max_weight_diff,
                       metrics, run_script, script_in_process, stopped_at_step_4, train, without_speed)
-from training import pt_checkpoint, weights
+from training import pt_checkpoint, stopping, weights
+from training.config import TrainConfig
 from training.errors import UsageError
 
 
@@ -599,17 +601,46 @@ def test_a_signal_that_lands_while_a_worker_is_forked_still_stops_the_run():
 def test_a_run_whose_gradients_are_all_exactly_zero_stops_with_one_line(runs, tmp_path, capsys, monkeypatch):
     """What torch 2.11's compiler did to the chunked loss (pytorch/pytorch#180642): backward's
     incoming gradient became 0, so every gradient was 0 and the run trained on, learning
-    nothing. Simulated here: the first log step stops it, in one line that names the cause."""
-    from training import chunked_loss
+    nothing. Simulated here, in a run that did not compile: the first log step stops it, in
+    one line that says the gradients never reached the weights, and names no compiler."""
+    from ops import chunked_loss
     backward = chunked_loss.ChunkedCrossEntropy.backward
     monkeypatch.setattr(chunked_loss.ChunkedCrossEntropy, "backward",
                         staticmethod(lambda ctx, grad_loss: backward(ctx, grad_loss * 0)))
     out = tmp_path / "run"
     assert script_in_process("train_dp.py", train_args(runs, out)) == 2
     [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
-    assert line.startswith("error: every gradient is exactly 0 at step 2: the model does not train. A compiler bug "
-                           "does this (torch 2.11 with --compile")
+    assert line.startswith("error: every gradient is exactly 0 at step 2, with the loss at ")
+    assert "not rising: the model does not train. The gradients do not reach the weights" in line
+    assert "compile" not in line
     assert not (out / "model.pt").exists()
+
+
+LR_100 = TrainConfig(lr=100.0, warmup_steps=0)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("loss", [57.3, 0.0])
+def test_gradients_that_vanish_after_the_loss_blew_up_are_a_divergence_compiled_or_not(compiled, loss):
+    """A network whose weights blew up saturates: every softmax exactly one-hot, every gradient
+    exactly 0 (on an AVX-512 CPU, --lr 100 got there before any weight was inf). Its loss says
+    so, past twice a uniform guess's ln(V) (the steps before, blowing up), or 0 (every target
+    then certain); and the run is told to lower its learning rate, not to suspect a compiler."""
+    cfg = dataclasses.replace(LR_100, compile=compiled)
+    with pytest.raises(UsageError) as refused:
+        stopping.stop_if_diverged(4, cfg, loss, 0.0, vocab_size=300)
+    assert str(refused.value).startswith(f"training diverged: the gradients are all exactly 0 at step 4, the loss at "
+                                         f"{loss:.4g} (a uniform guess's: 5.7): the network saturated")
+    assert "Start again with a lower --lr (was 100.0)" in str(refused.value) and "compile" not in str(refused.value)
+
+
+def test_gradients_that_vanish_with_the_loss_where_it_began_name_the_compiler_only_in_a_compiled_run():
+    for compiled in (False, True):
+        with pytest.raises(UsageError) as refused:
+            stopping.stop_if_diverged(10, dataclasses.replace(LR_100, compile=compiled), 5.8, 0.0, vocab_size=300)
+        assert ("pytorch/pytorch#180642" in str(refused.value)) == compiled
+        assert str(refused.value).startswith("every gradient is exactly 0 at step 10")
+    stopping.stop_if_diverged(10, LR_100, 5.8, 1e-30, vocab_size=300)  # tiny, not 0: it trains
 
 
 @pytest.mark.parametrize("script, nproc", [("train_dp.py", 0), ("train_ddp.py", 2)])

@@ -55,8 +55,8 @@ def test_fsdp_on_two_ranks_trains_the_same_model_as_ddp(runs, floor):
 def test_without_clipping_fsdp_on_two_ranks_equals_ddp_bitwise(runs):
     """The same weights and logged losses, bitwise. Only the logged grad_norm may round apart:
     FSDP adds each gradient's squares up from its shards' (test_metrics.py compares it)."""
-    fsdp = runs("fsdp2_noclip", "train_fsdp.py", ["--grad-clip", "0"], nproc=2)
-    ddp = runs("ddp2_noclip", "train_ddp.py", ["--grad-clip", "0"], nproc=2)
+    fsdp = runs("fsdp2_noclip", "train_fsdp.py", ["--grad-clip", "0", "--max-steps", "4"], nproc=2)
+    ddp = runs("ddp2_noclip", "train_ddp.py", ["--grad-clip", "0", "--max-steps", "4"], nproc=2)
     assert_same_weights(fsdp, ddp)
     assert without_speed(metrics(fsdp), leave_out=["grad_norm"]) == without_speed(metrics(ddp), leave_out=["grad_norm"])
 

@@ -31,7 +31,7 @@ def args(runs, out, *extra):
 def test_hsdp_at_every_shape_of_4_ranks_trains_the_same_model_as_ddp(runs, floor, replicas):
     """4x1 is pure replication (each rank holds the whole model, as DDP), 1x4 plain FSDP."""
     out, _ = hsdp(runs, replicas)
-    ddp = runs("ddp4_accum2", "train_ddp.py", ACCUM, nproc=4)
+    ddp = runs("ddp2_accum2", "train_ddp.py", ACCUM, nproc=2)  # test_training's: the model DDP trains
     norms = [row["grad_norm"] for row in metrics(ddp) if "grad_norm" in row]
     assert max(norms) > 1.0  # --grad-clip 1 scaled these steps: the norm over both mesh dimensions counts
     assert_same_model(out, ddp, floor)
@@ -65,13 +65,16 @@ def test_a_stopped_hsdp_run_resumes_on_its_own_shape_bitwise(runs, tmp_path):
 
 
 def test_hsdp_checkpoints_resume_on_every_other_shape_down_to_one_process(runs, tmp_path, floor):
-    """2x2 for two steps, then 4x1, then 1x4 (plain FSDP on 4 ranks), then one process: each
-    resharding what the last saved. The same model as 2x2 all the way, to rounding."""
+    """2x2's step-4 checkpoint resumed as 4x1 for a step, then as 1x4 (plain FSDP on 4 ranks)
+    for one more, then in one process: each resharding what the last saved. The same model as
+    2x2 all the way, to rounding."""
     full, _ = hsdp(runs, 2)
-    out = tmp_path / "run"
-    for replicas, stop, more in [(2, 2, []), (4, 4, ["--resume"]), (1, 6, ["--resume"])]:
-        run_script("train_fsdp.py", args(runs, out, "--replicas", str(replicas), "--stop-at-step", str(stop), *more),
-                   nproc=4)
+    out = runs.copy(full, tmp_path / "run")
+    shutil.rmtree(out / "checkpoint-00000008")
+    (out / "model.pt").unlink()
+    for replicas, stop in [(4, 5), (1, 6)]:
+        run_script("train_fsdp.py", args(runs, out, "--replicas", str(replicas), "--stop-at-step", str(stop),
+                                         "--resume"), nproc=4)
     printed = train("train_fsdp.py", args(runs, out, "--resume"))
     assert f"resumed from {out}/checkpoint-00000006 at step 6" in printed
     assert_same_weights(out, full, floor)

@@ -12,8 +12,8 @@ from conftest import REPO
 
 LESSON = {"train_dp.py", "train_ddp.py", "train_fsdp.py", "model.py", "data.py"}
 TOP_LEVEL = LESSON | {"README.md", "requirements.txt", "requirements-dev.txt", "pytest.ini", ".gitignore", ".ci",
-                      "training", "tools", "benchmarks", "tests", "docs", "slurm"}
-FOLDERS = ("training", "tools", "benchmarks")
+                      "ops", "training", "tools", "benchmarks", "tests", "docs", "slurm"}
+FOLDERS = ("ops", "training", "tools", "benchmarks")
 
 
 def tracked_top_level() -> set:
@@ -76,6 +76,9 @@ def test_no_module_imports_itself_back_through_others():
     assert graph["training.checkpoint"].isdisjoint({"training.pt_checkpoint", "training.sharded_checkpoint"})
     assert "training.sharded_checkpoint" not in graph["training.pt_checkpoint"]  # siblings over one base
     assert "training.pt_checkpoint" not in graph["training.sharded_checkpoint"]
+    # the model stands on its own operators (ops/), never on what the scripts share (training/)
+    assert not [m for m in graph["model"] | graph["ops.packed_attention"] | graph["ops.chunked_loss"]
+                if m.startswith("training.")]
 
 
 def test_no_private_name_crosses_a_module():

@@ -77,7 +77,7 @@ def test_the_state_estimate_is_what_weights_gradients_adamw_and_a_save_hold_afte
     held = [*model.parameters(), *(p.grad for p in model.parameters()),
             *(t for state in optimizer.state.values() for t in state.values() if t.dim() > 0)]  # not `step`
     assert need.state == sum(t.numel() * t.element_size() for t in held)
-    dataset = type("Dataset", (), {"__len__": lambda self: 80, "corpus": None})()
+    dataset = type("Dataset", (), {"__len__": lambda self: 80, "corpus": None, "packing_fingerprint": None})()
     snapshot = pt_checkpoint.snapshot(model, optimizer, checkpoint.run_state(model, scheduler, cfg, 1, dataset))
     tensors = [*snapshot["model"].values(), *(t for state in snapshot["optimizer"]["state"].values()
                                               for t in state.values() if t.dim() > 0)]

@@ -4,6 +4,8 @@ so a packed run trains the model a padded one trains, with almost no compute on 
 and everything that holds for padded runs holds packed (DP, DDP, FSDP, accumulation,
 resume, evaluation, the memory estimate, compile, activation checkpointing)."""
 
+import functools
+import hashlib
 import os
 import re
 
@@ -20,7 +22,8 @@ from data import PaddedSequenceDataset
 from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, LlamaRotaryEmbedding
 from test_bad_inputs import refused_in_process
 from test_memory import saved_for_backward
-from training import build, config, corpus, evaluation, memory, packed_attention, packing, run_data
+from ops import packed_attention
+from training import build, config, corpus, evaluation, memory, packing, run_data
 from training.packing import PackedSequenceDataset
 
 PACK = ["--pack"]
@@ -102,7 +105,7 @@ def test_a_packed_row_is_its_windows_as_each_reads_alone_one_after_another_then_
     packed = PackedSequenceDataset(windows, seq_len=16, pad_id=0, packing=packing.pack(windows, 16, seed=3))
     assert len(packed) < 0.7 * len(padded)
     rows = torch.utils.data.DataLoader(packed, batch_size=len(packed))  # read a batch at a time (__getitems__)
-    (x, y, position_ids), = list(rows)
+    (x, y, position_ids, cu_seqlens), = list(rows)
     placed = []
     for r in range(len(packed)):
         col = 0
@@ -115,9 +118,51 @@ def test_a_packed_row_is_its_windows_as_each_reads_alone_one_after_another_then_
         assert (x[r, col:] == 0).all() and (y[r, col:] == IGNORE_INDEX).all()
         assert torch.equal(position_ids[r, col:], torch.arange(16 - col))
     assert sorted(placed) == list(range(len(windows)))
+    assert torch.equal(cu_seqlens, bounds_from_positions(position_ids, packed.max_windows + 1))
     assert packed.targets.tolist() == (y != IGNORE_INDEX).sum(1).tolist()
     assert packed.facts["tokens_per_epoch"] == padded.facts["tokens_per_epoch"]
     assert packed.facts["rows"] == len(packed) and packed.facts["windows"] == len(windows)
+
+
+def bounds_from_positions(position_ids, length: int) -> torch.Tensor:
+    """The plain formulation of a row's cu_seqlens: a window starts wherever a position is 0
+    (the padding's too), and the row ends at T; then T again, to `length` entries."""
+    T = position_ids.shape[1]
+    rows = [(row == 0).nonzero().flatten().tolist() + [T] for row in position_ids]
+    return torch.tensor([bounds + [T] * (length - len(bounds)) for bounds in rows], dtype=torch.int32)
+
+
+def test_each_rows_cu_seqlens_are_where_its_windows_end_at_one_length_for_the_whole_dataset():
+    """varlen_attn's input, made by the loader: each row's bounds, 0, where each of its windows
+    ends, then T repeated; as many for every row (one shape for every batch: no recompile).
+    Every edge: a row of one window, a row of one-target windows, a row ending in padding, a
+    window of one token; and the padding row evaluation adds, one window."""
+    T = 16
+    lengths = [T + 1, 11] + [2] * 16 + [7, 4]  # windows of T, 10, sixteen of 1, 6 and 3 targets
+    windows = datasets.Dataset.from_dict({"input_ids": [[1, *[5] * (n - 2), 2] for n in lengths]},
+                                         features=datasets.Features({"input_ids": datasets.Sequence(datasets.Value("uint16"))}))
+    packed = PackedSequenceDataset(windows, seq_len=T, pad_id=0, packing=packing.pack(windows, T, seed=0))
+    x, y, position_ids, cu_seqlens = torch.utils.data.default_collate(packed.__getitems__(list(range(len(packed)))))
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.shape == (len(packed), packed.max_windows + 1)
+    assert torch.equal(cu_seqlens, bounds_from_positions(position_ids, packed.max_windows + 1))
+    rows = [row[:row.tolist().index(T) + 1].tolist() for row in cu_seqlens]  # each row's bounds to its end
+    assert [0, T] in rows  # the row of one window (no padding)
+    assert any(row[-2] < T and (y[r, row[-2]:] == IGNORE_INDEX).all() for r, row in enumerate(rows))  # padding last
+    assert any(np.diff(row).tolist().count(1) >= 6 for row in rows)  # windows of one target side by side
+    assert max(len(row) - 1 for row in rows) <= packed.max_windows  # room for the fullest row and its padding
+    padding_row = packed.padding_row()[3]
+    assert padding_row.tolist() == [0] + [T] * packed.max_windows
+
+
+def test_the_batchs_windows_end_to_end_are_every_rows_shifted_by_the_rows_before():
+    """What varlen_attn reads: the windows of the flattened (B x T) batch, each starting where
+    a position is 0; a row's repeated ends become empty windows, which it skips."""
+    _, (x, y, position_ids, cu_seqlens), _ = both_layouts()
+    B, T = position_ids.shape
+    windows = packed_attention.window_mask(position_ids, torch.float32, cu_seqlens)
+    assert windows.max_len == T and windows.cu_seqlens.shape == (B * (cu_seqlens.shape[1] - 1) + 1,)
+    starts = (position_ids.flatten() == 0).nonzero().flatten()
+    assert torch.equal(torch.unique_consecutive(windows.cu_seqlens), torch.cat([starts, torch.tensor([B * T])]).int())
 
 
 def test_packing_happens_once_and_is_read_back_from_the_cache(tmp_path):
@@ -132,6 +177,66 @@ def test_packing_happens_once_and_is_read_back_from_the_cache(tmp_path):
     assert [(st.st_ino, st.st_mtime_ns) for st in map(os.stat, (f["filename"] for f in second.cache_files))] == \
         [(st.st_ino, st.st_mtime_ns) for st in written]
     assert packing.pack(windows, 16, seed=2).cache_files != first.cache_files  # another seed: another packing
+
+
+@pytest.fixture(scope="module")
+def cached_windows(tmp_path_factory):
+    """Windows tokenized into `datasets`' cache (their packing is cached beside them), and the
+    rows this code packs them into at seq_len 16, seed 1."""
+    path = tmp_path_factory.mktemp("packed") / "c.txt"
+    path.write_text("\n".join(f"document {i} " + "word " * (i % 37) for i in range(200)) + "\n")
+    texts = corpus.load_corpus(str(path))
+    windows = data.tokenize(texts, data.train_tokenizer(texts, vocab_size=300), seq_len=16)
+    rows = packing.pack(windows, 16, seed=1)
+    return windows, rows["windows"], rows.cache_files[0]["filename"]
+
+
+def write_rows(rows: list[list[int]], path):
+    """A well-formed packing cache file holding `rows`, in place of the one at path."""
+    from datasets.arrow_writer import ArrowWriter
+    features = datasets.Features({"windows": datasets.Sequence(datasets.Value("uint32"))})
+    with ArrowWriter(path=f"{path}.tmp", features=features) as writer:
+        writer.write_batch({"windows": rows})
+        writer.finalize()
+    os.replace(f"{path}.tmp", path)
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda rows, path: write_rows([[0]] * len(rows), path), "holds 370 of the 371 windows nowhere and 1 more than once"),
+    (lambda rows, path: write_rows([rows[0] + rows[1], *rows[2:]], path), "holds a row of 32 positions, more than --seq-len 16"),
+    (lambda rows, path: write_rows([rows[0], [], *rows[1:]], path), "holds 1 empty rows"),
+    (lambda rows, path: write_rows([[*rows[0], 9999], *rows[1:]], path), "places window 9,999, and the corpus has 371"),
+    (lambda rows, path: open(path, "r+b").truncate(os.path.getsize(path) // 2), "cannot be read (Expected to be able to read"),
+], ids=["every-row-window-0", "a-row-over-seq-len", "an-empty-row", "a-window-that-does-not-exist", "truncated"])
+def test_a_cached_packing_that_is_not_one_is_packed_again_with_a_warning_naming_it(cached_windows, capsys, damage,
+                                                                                 problem):
+    """The cache is a file: replaced, truncated or damaged, what it holds is never trained on.
+    Every window exactly once, no row over seq_len, no empty row: anything else is packed
+    again, from the windows, and said."""
+    windows, rows, path = cached_windows
+    damage(rows, path)
+    assert packing.pack(windows, 16, seed=1)["windows"] == rows
+    err = capsys.readouterr().err
+    assert f"warning: --pack: the cached packing {path} {problem}" in err and "packing the windows again" in err
+    assert packing.pack(windows, 16, seed=1)["windows"] == rows and not capsys.readouterr().err  # rewritten: good
+
+
+def test_the_packings_cache_key_is_everything_that_decides_the_rows(cached_windows, monkeypatch):
+    """The windows, seq_len, the seed, and the packing code itself: edited, it packs otherwise,
+    and the rows the code before it cached must not be taken for its own."""
+    windows, _, path = cached_windows
+    other = {"seq_len": packing.pack(windows, 17, seed=1), "seed": packing.pack(windows, 16, seed=2),
+             "windows": packing.pack(windows.select(range(len(windows) - 1)), 16, seed=1)}
+    monkeypatch.setattr(packing, "PACKING_CODE", "the code, edited")
+    other["code"] = packing.pack(windows, 16, seed=1)
+    files = {name: rows.cache_files[0]["filename"] for name, rows in other.items()}
+    assert path not in files.values() and len(set(files.values())) == len(files)
+
+
+def test_the_packing_code_is_hashed_by_its_source():
+    import inspect
+    source = inspect.getsource(packing._pack) + inspect.getsource(packing.best_fit_decreasing)
+    assert packing.PACKING_CODE == hashlib.blake2b(source.encode(), digest_size=16).hexdigest()
 
 
 # ---- the attention ----------------------------------------------------------------------------
@@ -163,7 +268,7 @@ def in_query_blocks(q, k, v, position_ids):
 
 
 def with_flex(q, k, v, position_ids):
-    return packed_attention.flex_attention(q, k, v, packed_attention._flex_block_mask((position_ids == 0).cumsum(1)))
+    return packed_attention.flex_attention(q, k, v, packed_attention.compiled_block_mask(position_ids))
 
 
 def assert_far(what: str, distance: float, floor: float):
@@ -200,6 +305,43 @@ def test_cudas_flex_attention_block_mask_computes_what_the_cpus_mask_computes():
     assert_within("flex attention vs one call", relative_distance(flex, plain), floor, FLOOR_MULTIPLE)
 
 
+def random_layouts(n: int, B: int = 2, T: int = 256, seed: int = 0):
+    """n batches of position_ids, each with its windows elsewhere: lengths from 1 to T."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        lengths = torch.randint(1, T + 1, (B, T), generator=g)
+        yield torch.stack([torch.cat([torch.arange(n) for n in row.tolist()])[:T] for row in lengths])
+
+
+BLOCK_MASK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                      "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def test_the_block_mask_is_compiled_once_for_every_layout_and_equals_the_eager_one(monkeypatch):
+    """CUDA's BlockMask comes from a compiled function of position_ids (7.62 ms eager, 0.21 ms
+    compiled on an H100): one graph for 20 batches whose windows fall elsewhere (a closure over
+    each batch's windows, made outside, would be a new input and a recompile each time), equal
+    to the eager mask block by block, and its mask_mod too, token by token. Counted with a
+    compiler that runs the captured graph as it is (torch's own CompileCounter): the graph is
+    what inductor gets, and this test runs on every CPU. A fresh compile: none from earlier tests."""
+    from torch._dynamo.testing import CompileCounter
+    counter = CompileCounter()
+    monkeypatch.setattr(packed_attention, "uses_flex", lambda t: True)  # CUDA's path, on the CPU
+    monkeypatch.setattr(packed_attention, "_compiled_block_mask", functools.cache(
+        lambda: torch.compile(packed_attention.block_mask, backend=counter, **packed_attention.MASK_COMPILE_OPTIONS)))
+    torch._dynamo.reset()
+    for position_ids in random_layouts(20):
+        compiled = packed_attention.window_mask(position_ids, torch.float32)
+        eager = packed_attention.block_mask(position_ids)
+        for name in BLOCK_MASK_TENSORS:
+            a, b = getattr(compiled, name), getattr(eager, name)
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+        B, T = position_ids.shape
+        b, q, kv = torch.meshgrid(torch.arange(B), torch.arange(T), torch.arange(T), indexing="ij")
+        assert torch.equal(compiled.mask_mod(b, 0, q, kv), eager.mask_mod(b, 0, q, kv))
+    assert counter.frame_count == 1, f"{counter.frame_count} compiles for 20 layouts of one shape"
+
+
 @pytest.mark.compile
 def test_flex_attention_called_eagerly_after_a_compiled_model_is_still_the_compiled_kernel(monkeypatch):
     """A compiled model (--pack --compile) calls packed_attention.flex_attention while it is being
@@ -212,7 +354,7 @@ def test_flex_attention_called_eagerly_after_a_compiled_model_is_still_the_compi
     monkeypatch.setattr(flex_module, "_warn_once", lambda *args, **kwargs: unfused.append(kwargs or args))
     packed_attention._compiled_flex.cache_clear()  # as in a fresh process: nothing compiled yet
     q, k, v, position_ids = (t.detach() for t in attention_inputs(128))
-    mask = packed_attention._flex_block_mask((position_ids == 0).cumsum(1))
+    mask = packed_attention.block_mask(position_ids)
     in_a_compiled_model = torch.compile(lambda q, k, v: packed_attention.flex_attention(q, k, v, mask), backend="eager")
     with torch.no_grad():
         in_a_compiled_model(q, k, v)
@@ -242,11 +384,11 @@ def both_layouts(seq_len=300, seed=0):
             torch.utils.data.default_collate(packed.__getitems__(list(range(len(packed))))), packed.packing)
 
 
-def per_token_losses_and_gradients(model, x, y, position_ids=None):
+def per_token_losses_and_gradients(model, x, y, position_ids=None, cu_seqlens=None):
     """Each real target's loss, in the order the targets come row after row, and the gradients
     of their sum."""
     model.zero_grad(set_to_none=True)
-    logits = model(x, position_ids=position_ids)
+    logits = model(x, position_ids=position_ids, cu_seqlens=cu_seqlens)
     real = y != IGNORE_INDEX
     losses = F.cross_entropy(logits[real], y[real], reduction="none")
     losses.sum().backward()
@@ -268,8 +410,7 @@ def padded_reference(model, padded):
 
 def packed_in_padded_order(model, packed, packing, padded_y):
     """The packed layout's per-token losses, reordered to the padded layout's (window by window)."""
-    x, y, position_ids = packed
-    result = per_token_losses_and_gradients(model, x, y, position_ids)
+    result = per_token_losses_and_gradients(model, *packed)
     fills = (padded_y != IGNORE_INDEX).sum(1).tolist()  # each window's targets
     order = [w for r in range(len(packing)) for w in packing[r]["windows"]]
     by_window = dict(zip(order, result[0].split([fills[w] for w in order])))
@@ -289,10 +430,46 @@ def test_a_packed_row_computes_exactly_what_its_windows_compute_alone(monkeypatc
 
     real_mask = packed_attention.window_mask
     monkeypatch.setattr(packed_attention, "window_mask",  # the mutant: one window a row, every earlier token seen
-                        lambda position_ids, dtype: real_mask(torch.zeros_like(position_ids[:, :1]).expand_as(
-                            position_ids).cumsum(1), dtype))
+                        lambda position_ids, dtype, cu_seqlens=None: real_mask(torch.zeros_like(
+                            position_ids[:, :1]).expand_as(position_ids).cumsum(1), dtype))
     leaking = relative_distance(packed_in_padded_order(model, packed, packing, padded[1]), plain)
     assert_far("a leaking mask vs padded", leaking, floor)
+
+
+def varlen_reference(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_size, enable_gqa):
+    """varlen_attn as its documentation defines it, one sequence at a time: q, k and v (N,
+    heads, D), the sequences between consecutive cu_seqlens, each attending to itself alone
+    (window_size (-1, 0): causally). The plain formulation of CUDA's kernel, on any device."""
+    assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k and window_size == (-1, 0) and enable_gqa
+    ends = cu_seq_q.tolist()
+    assert ends[0] == 0 and ends[-1] == q.shape[0] and all(0 <= b - a <= max_q for a, b in zip(ends, ends[1:]))
+    return torch.cat([F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True,
+                                                     enable_gqa=True).transpose(0, 1)
+                      for a, b in zip(ends, ends[1:]) if b > a])
+
+
+def test_varlen_over_the_loaders_cu_seqlens_computes_what_each_window_computes_alone(monkeypatch):
+    """--packed-attention varlen's path through the model (the windows laid end to end, the
+    kernel, the output put back in rows), with the kernel's plain formulation standing in for
+    CUDA's: every target's loss and every gradient against the windows one to a row, within the
+    floor; and bounds that let a row's windows see each other are caught."""
+    calls = []
+    monkeypatch.setattr(packed_attention, "_varlen_attn", lambda *args, **kwargs: calls.append(1) or
+                        varlen_reference(*args, **kwargs))
+    model = small_model()
+    model.packed_attention = "varlen"
+    padded, packed, packing = both_layouts()
+    plain, floor = padded_reference(model, padded)
+    assert_within("varlen vs padded", relative_distance(packed_in_padded_order(model, packed, packing, padded[1]),
+                                                        plain), floor, FLOOR_MULTIPLE)
+    assert len(calls) == len(model.base_model.layers)  # the kernel served every layer, not the mask
+    with pytest.raises(ValueError, match="needs the rows' cu_seqlens"):  # never flex in its place, unasked
+        model(packed[0], packed[1], packed[2])
+    monkeypatch.setattr(packed_attention, "windows_end_to_end",  # the mutant: each row one window
+                        lambda cu_seqlens, T: packed_attention.Windows(
+                            torch.arange(0, cu_seqlens.shape[0] * T + 1, T, dtype=torch.int32), T))
+    leaking = relative_distance(packed_in_padded_order(model, packed, packing, padded[1]), plain)
+    assert_far("varlen over whole rows vs padded", leaking, floor)
 
 
 def rotated_queries_and_keys(model, x, position_ids=None) -> list[torch.Tensor]:
@@ -318,7 +495,7 @@ def test_each_window_is_rotated_from_position_0_as_it_is_alone(monkeypatch):
     key of a later window by other angles. Each window's are those of its own row, to rounding,
     and the positions running on are caught."""
     model = small_model()
-    (x, y), (px, py, position_ids), packing = both_layouts()
+    (x, y), (px, py, position_ids, _), packing = both_layouts()
     alone = rotated_queries_and_keys(model, x)
     fills = (y != IGNORE_INDEX).sum(1).tolist()
     order = [w for r in range(len(packing)) for w in packing[r]["windows"]]
@@ -360,7 +537,7 @@ def test_rows_split_by_dataparallel_compute_what_the_whole_batch_computes():
 
 
 def test_activation_checkpointing_recomputes_a_packed_row_bitwise():
-    _, (x, y, position_ids), _ = both_layouts()
+    _, (x, y, position_ids, _), _ = both_layouts()
     grads = []
     for checkpointing in (False, True):
         model = small_model()
@@ -418,34 +595,43 @@ def test_packed_rows_fill_the_start_up_line_and_the_first_metrics_row(runs):
             f"({facts['padding']:.1%} padding) |") in runs.output["dp_pack"]
 
 
-def test_packed_runs_train_the_same_model_under_ddp_with_accumulation_and_under_fsdp(runs, floor):
-    one = runs("dp_pack", "train_dp.py", PACK)
-    assert_same_model(runs("ddp2_pack_accum2", "train_ddp.py", [*PACK, "--grad-accum", "2"], nproc=2), one, floor)
-    assert_same_model(runs("fsdp2_pack", "train_fsdp.py", PACK, nproc=2), one, floor)
+# Packed runs over an epoch boundary: 128 rows a step, an epoch of 3 to 5 steps
+PACKED_EPOCHS = [*PACK, "--batch-size", "128", "--max-steps", "6", "--log-every", "1", "--save-every", "2",
+                 "--eval-every", "2"]
+
+
+def test_packed_runs_train_the_same_model_under_ddp_with_accumulation_and_under_fsdp_across_epochs(runs, floor):
+    """Across an epoch boundary: each epoch's own shuffle of the rows (set_epoch), dealt to every
+    rank's share, trains the one process's model; and tokens_seen counts the real targets of the
+    rows trained so far, in the sampler's order."""
+    one = runs("dp_pack_epochs", "train_dp.py", PACKED_EPOCHS)
     rows = [row for row in metrics(one) if "loss" in row]
+    assert {row["epoch"] for row in rows} == {0, 1}
+    assert_same_model(runs("ddp2_pack_accum2_epochs", "train_ddp.py", [*PACKED_EPOCHS, "--grad-accum", "2"], nproc=2),
+                      one, floor)
+    assert_same_model(runs("fsdp2_pack_epochs", "train_fsdp.py", PACKED_EPOCHS, nproc=2), one, floor)
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5  # it learns
-    # tokens_seen: the real targets of the rows trained so far, in the sampler's order
-    cfg, train_ds = packed_datasets(runs, one)[:2]
-    assert [row["tokens_seen"] for row in rows] == [train_ds.targets_before(row["step"], 8, cfg.seed) for row in rows]
+    cfg, train_ds = packed_datasets(runs, one, PACKED_EPOCHS)[:2]
+    assert [row["tokens_seen"] for row in rows] == [train_ds.targets_before(row["step"], 128, cfg.seed)
+                                                    for row in rows]
 
 
 def test_a_packed_run_resumes_bitwise_across_an_epoch_boundary(runs, tmp_path):
     """Stopped at step 2 and resumed, a packed run reshuffles its rows for epoch 1 exactly as a
     straight run does (the packing is the same in every run with the same seed)."""
-    epochs = [*PACK, "--batch-size", "128", "--max-steps", "6", "--log-every", "1", "--save-every", "2",
-              "--eval-every", "2"]
-    straight = runs("dp_pack_epochs", "train_dp.py", epochs)
+    straight = runs("dp_pack_epochs", "train_dp.py", PACKED_EPOCHS)
     per_epoch = int(re.search(r"\| (\d+) steps per epoch \|", runs.output["dp_pack_epochs"]).group(1))
     assert 2 < per_epoch < 6  # stopped at 2, resumed across the boundary
     assert [row["epoch"] for row in metrics(straight) if "loss" in row] == [0] * per_epoch + [1] * (6 - per_epoch)
-    half = runs.copy(runs("dp_pack_epochs_half", "train_dp.py", [*epochs, "--stop-at-step", "2"]), tmp_path / "half")
-    train("train_dp.py", ["--dataset", str(runs.corpus), *FAST, *epochs, "--out-dir", str(half), "--resume"])
+    half = runs.copy(runs("dp_pack_epochs_half", "train_dp.py", [*PACKED_EPOCHS, "--stop-at-step", "2"]),
+                     tmp_path / "half")
+    train("train_dp.py", ["--dataset", str(runs.corpus), *FAST, *PACKED_EPOCHS, "--out-dir", str(half), "--resume"])
     assert_same_model(half, straight)
 
 
-def packed_datasets(runs, out):
+def packed_datasets(runs, out, flags=PACK):
     """(the flags, the training and the held-out datasets) of a packed run, made again here."""
-    cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST, *PACK, "--out-dir", str(runs.root / "unused")])
+    cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST, *flags, "--out-dir", str(runs.root / "unused")])
     train_text, val_text, _ = run_data.load_text(cfg)
     return cfg, *run_data.make_datasets(cfg, data.load_tokenizer(out / "tokenizer.json"), train_text, val_text)
 
@@ -488,6 +674,17 @@ def test_a_resume_with_the_other_framing_is_one_line_and_touches_nothing(runs, t
         half = stopped_at_step_4(runs, tmp_path)
     refused_in_process("train_dp.py", ["--dataset", str(runs.corpus), *FAST, *resumed_with, "--resume"], half,
                        message, capsys)
+
+
+def test_a_packed_resume_on_other_rows_is_one_line_and_touches_nothing(runs, tmp_path, monkeypatch, capsys):
+    """A checkpoint records which windows each row held. Resumed where the packing differs
+    (its cache replaced by another valid packing, another machine's cache), the run would
+    continue elsewhere in the data than it stopped: refused."""
+    half = runs.copy(runs("dp_pack_stop4", "train_dp.py", [*PACK, "--stop-at-step", "4"]), tmp_path / "half")
+    real_pack = packing.pack
+    monkeypatch.setattr(packing, "pack", lambda windows, seq_len, seed: real_pack(windows, seq_len, seed + 1))
+    refused_in_process("train_dp.py", ["--dataset", str(runs.corpus), *FAST, *PACK, "--resume"], half,
+                       "--pack's rows (which windows each row holds) are not those checkpoint.pt trained on", capsys)
 
 
 def test_init_from_a_padded_run_starts_a_packed_one_at_its_trained_weights(runs, tmp_path):

@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import (BF16, FAST, FP32_LIKE_BF16, REPO, assert_follows_in_bf16, assert_same_model, load_weights,
-                      metrics, spied, train)
+                      metrics, script_in_process, spied, train)
 from model import LlamaConfig, LlamaForPretraining
 from training import config, launch, weights
 from training.errors import UsageError
@@ -50,7 +50,8 @@ def test_auto_picks_bf16_only_on_cpus_with_amx(monkeypatch, amx, auto):
     ("NVIDIA A100-SXM4-80GB", (8, 0), torch.bfloat16),
     ("NVIDIA H100 80GB HBM3", (9, 0), torch.bfloat16),
 ])
-def test_auto_picks_bf16_only_on_gpus_that_compute_it_natively(monkeypatch, gpu, capability, auto):
+def test_auto_picks_bf16_only_on_gpus_that_compute_it_natively(monkeypatch, matmul_precision, gpu, capability,
+                                                               auto):
     """The GPU's compute capability is the fact we fake here; what compute_dtype makes of it
     is what is checked (torch.cuda.is_bf16_supported() would count emulation as support)."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -124,13 +125,14 @@ def test_the_tutorials_fp32_rows_of_the_benchmark_run_in_full_fp32_and_ours_as_t
     monkeypatch.setattr(bench, "time_steps", lambda args, model, batches, device, mask, loss_inside:
                         {"precision": torch.get_float32_matmul_precision()})
     args = bench.parse_args(["--compile"])
+    before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")  # what compute_dtype("auto") does on a GPU
     try:
         rows = dict(bench.ablation_table(args, torch.device("cpu"), torch.bfloat16, batches=None))
         seen = {name: row["precision"] for name, row in rows.items()}
         after = torch.get_float32_matmul_precision()
     finally:
-        torch.set_float32_matmul_precision("highest")
+        torch.set_float32_matmul_precision(before)
     assert {name: p for name, p in seen.items() if not name.startswith("ours")} == {
         "tutorial: float mask, fp32, loss outside": "highest", "+ is_causal instead of the mask": "highest",
         "+ loss inside forward": "highest", "+ bf16 autocast": "highest", "+ TF32 for fp32 matmuls": "high",
@@ -198,7 +200,7 @@ def test_bench_runs_every_row_and_writes_its_table(tmp_path, capsys):
     memory each rank holds: FSDP's ranks hold half of what DDP's do, HSDP's 2 x 1 all of it."""
     from benchmarks import bench
     out = tmp_path / "bench.json"
-    bench.main(["--steps", "1", "--warmup", "1", "--seq-len", "32", "--batch-size", "4", "--json", str(out)])
+    bench.main(["--steps", "1", "--warmup", "0", "--seq-len", "32", "--batch-size", "2", "--json", str(out)])
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     scaling = result["scaling"]
@@ -236,6 +238,42 @@ def test_bench_network_counts_a_row_for_each_method_and_preset(capsys):
         assert hsdp[0] == hsdp[2] == pytest.approx(ddp[0] / 15, rel=0.01)  # 4 bytes x P/8, against 2 x 15/16 x 4 bytes x P
         assert ddp[1] == fsdp[1] == 0 and hsdp[1] == pytest.approx(fsdp[0] * 14 / 15, rel=0.01)
     assert "1b" in capsys.readouterr().out
+
+
+# (benchmark, flags, what its one line says): each before the benchmark's first expensive step
+BAD_BENCH_FLAGS = [
+    ("bench_network.py", ["--nodes", "0"], "argument --nodes: must be at least 1, got 0"),  # was a ZeroDivisionError
+    ("bench_network.py", ["--gpus-per-node", "0"], "argument --gpus-per-node: must be at least 1, got 0"),
+    ("bench_network.py", ["--nodes", "-3"], "argument --nodes: must be at least 1, got -3"),  # negative gigabytes
+    ("bench_network.py", ["--grad-accum", "-2"], "argument --grad-accum: must be at least 1, got -2"),
+    ("bench_packing.py", ["--seq-lens", "512", "0"], "argument --seq-lens: must be at least 1, got 0"),  # after a minute
+    ("bench_packing.py", ["--seq-lens", "4096"], "--seq-len 4096 exceeds the tiny model's 1024 positions"),
+    ("bench_packing.py", ["--data", "{tmp}/none.parquet"], "--data {tmp}/none.parquet: no such file"),
+    ("bench_packing.py", ["--vocab-size", "100"], "argument --vocab-size: must be at least 259, got 100"),
+    ("bench_data.py", ["--mb", "0"], "argument --mb: must be at least 1, got 0"),
+    ("bench_data.py", ["--batch-size", "x"], "argument --batch-size: must be a whole number, got 'x'"),
+    ("bench.py", ["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+    ("bench.py", ["--batch-size", "1", "--max-world-size", "2"], "--batch-size 1 leaves some of 2 ranks without"),
+    ("bench.py", ["--seq-len", "4096"], "--seq-len 4096 exceeds the tiny model's 1024 positions"),
+    ("bench_memory.py", ["--batch", "8", "0"], "argument --batch: must be at least 1, got 0"),
+    ("bench_memory.py", ["--model", "huge"], "argument --model: invalid choice: 'huge'"),
+    ("bench_memory.py", ["--gpu-gb", "nan"], "argument --gpu-gb: must be at least 0.001, got nan"),
+    ("bench_grouping.py", ["--world-size", "0"], "argument --world-size: must be at least 1, got 0"),
+    ("bench_logging.py", ["--log-every", "0"], "argument --log-every: must be at least 1, got 0"),
+    ("bench_read_ahead.py", ["--read-ms", "-1"], "argument --read-ms: must be at least 0.0, got -1"),
+]
+
+
+@pytest.mark.parametrize("bench, flags, message", BAD_BENCH_FLAGS,
+                         ids=[f"{b}:{' '.join(f)}" for b, f, _ in BAD_BENCH_FLAGS])
+def test_every_benchmark_refuses_bad_flags_in_one_line_before_its_first_step(tmp_path, capsys, bench, flags, message):
+    flags = [flag.replace("{tmp}", str(tmp_path)) for flag in flags]
+    data_dir = tmp_path / "data"  # where bench_data.py and bench_packing.py would write a corpus first
+    extra = ["--data-dir", str(data_dir)] if bench in ("bench_data.py", "bench_packing.py") else []
+    assert script_in_process(f"benchmarks/{bench}", [*flags, *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {message.replace('{tmp}', str(tmp_path))}"), err
+    assert not data_dir.exists()
 
 
 def test_bench_memory_measures_every_row_in_a_process_of_its_own_and_estimates_what_fits(tmp_path, capsys):
@@ -299,13 +337,9 @@ def test_a_spawned_bench_worker_reports_its_own_peak_memory_not_its_parents():
 
 
 def test_bench_grouping_without_fsdp_is_one_line_and_exit_2(monkeypatch, capsys):
-    from benchmarks import bench_grouping
     import torch.distributed.fsdp as fsdp
     monkeypatch.delattr(fsdp, "fully_shard")
-    monkeypatch.setattr("sys.argv", ["bench_grouping.py"])
-    with pytest.raises(SystemExit) as exit_info:
-        bench_grouping.main()
-    assert exit_info.value.code == 2
+    assert script_in_process("benchmarks/bench_grouping.py", []) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"error: bench_grouping.py measures FSDP2, which needs torch 2.6 or newer (this is {torch.__version__})"]
 

@@ -411,15 +411,21 @@ def test_a_resumed_rank_keeps_no_copy_of_the_checkpoint_and_lets_its_file_go(run
 WARM = [a for a in FAST if a not in ("--vocab-size", "300")]  # --init-from brings its own tokenizer
 
 
+def warm_started(runs, *extra):
+    """The one-process run from the reference run's weights (--init-from; its --vocab-size is
+    the weights' own), trained once for every test that compares with it."""
+    source = runs("dp", "train_dp.py")
+    return runs(f"dp_warm{''.join(extra)}", "train_dp.py", ["--init-from", str(source), *extra])
+
+
 def test_init_from_starts_a_new_run_at_the_trained_weights_with_a_fresh_schedule(runs, tmp_path):
     """A finished 8-step run continued for 8 more: the new run starts from its weights (bitwise)
     and its tokenizer, so its first logged loss is near where that run ended, not where it
     began; the optimizer, the LR schedule and the data position start afresh."""
-    first, warm = runs("dp", "train_dp.py"), tmp_path / "warm"
+    first, warm = runs("dp", "train_dp.py"), warm_started(runs)
     cfg = config.parse_args(["--dataset", str(runs.corpus), *WARM, "--init-from", str(first)])
     start = build.model(cfg, 300, torch.float32).state_dict()
     assert all(torch.equal(start[k], v) for k, v in load_weights(first).items())
-    train("train_dp.py", ["--dataset", str(runs.corpus), *WARM, "--init-from", str(first), "--out-dir", str(warm)])
     before, after = ([row for row in metrics(run) if "loss" in row] for run in (first, warm))
     learned = before[0]["loss"] - before[-1]["loss"]
     assert learned > 1 and abs(after[0]["loss"] - before[-1]["loss"]) < learned / 4
@@ -434,8 +440,8 @@ def test_init_from_works_under_ddp_and_fsdp_and_from_a_sharded_checkpoint(runs, 
     from test_fsdp import fsdp_two_ranks
     first = runs("dp", "train_dp.py")
     common = ["--dataset", str(runs.corpus), *WARM, "--init-from", str(first)]
-    trained = {}
-    for script, nproc in (("train_dp.py", 0), ("train_ddp.py", 2), ("train_fsdp.py", 2)):
+    trained = {"train_dp.py": warm_started(runs)}
+    for script, nproc in (("train_ddp.py", 2), ("train_fsdp.py", 2)):
         trained[script] = tmp_path / script
         train(script, [*common, "--out-dir", str(trained[script])], nproc)
     for script in ("train_ddp.py", "train_fsdp.py"):

@@ -46,6 +46,9 @@ def pyplot(tool: str = "plot_metrics.py"):
     except ImportError:
         raise UsageError(f"{tool} needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")  # files only: no display needed
+    # every text we draw is text: a title or a run's folder with a `$` is not TeX math to parse
+    # (a `$\foo{x}$` was matplotlib's ParseFatalException)
+    matplotlib.rcParams["text.parse_math"] = False
     import matplotlib.pyplot as plt
     return plt
 

@@ -24,6 +24,7 @@ def model(cfg: TrainConfig, vocab_size: int, dtype: torch.dtype, device="cpu") -
     with torch.device("meta"):  # shapes only: no memory, no random draws
         model = LlamaForPretraining(model_config)
     model.compute_dtype = dtype  # matmuls in dtype (autocast inside forward); weights stay fp32
+    model.packed_attention = cfg.packed_attention or "flex"  # --pack's kernel on CUDA
     if cfg.activation_checkpointing:
         model.enable_activation_checkpointing()  # before compile and FSDP wrap the layers
     if device != "meta":

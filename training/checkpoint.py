@@ -25,6 +25,7 @@ def run_state(model, scheduler, cfg, step, train_ds) -> dict:
         "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "steps_per_epoch": steps_per_epoch,
         "framing": data.framing(cfg.pack),  # how documents became rows: a resume needs the same rows
         "corpus": train_ds.corpus,  # what data the run trains on (corpus.fingerprint): a resume must match it
+        "packing": train_ds.packing_fingerprint,  # --pack: which windows each row holds; a resume must find them
         # Nothing in training draws random numbers after initialization (the data order comes
         # from seed + epoch), but saving the generators keeps any future dropout exact too.
         # The CUDA generator only where the model is on a GPU: reading it opens a CUDA context
@@ -60,6 +61,8 @@ def check_checkpoint(ckpt, path, sharded: bool = False):
     for key, kind in kinds.items():
         if not isinstance(ckpt[key], kind) or isinstance(ckpt[key], bool):
             raise UsageError(f"{path} is damaged: its {key} is not a {kind.__name__}, as this trainer saves it")
+    if not isinstance(ckpt.get("packing"), (str, type(None))):
+        raise UsageError(f"{path} is damaged: its packing is not a fingerprint, as this trainer saves it")
     if ckpt["step"] < 0 or ckpt["steps_per_epoch"] < 1 or not isinstance(ckpt.get("corpus", {}), (dict, type(None))):
         raise UsageError(f"{path} is damaged: step {ckpt['step']}, {ckpt['steps_per_epoch']} steps per epoch")
 

@@ -13,6 +13,7 @@ import torch
 
 import data
 from model import PRESETS
+from ops import packed_attention
 from training import corpus, run_folder, weights
 from training.errors import ArgumentParser, UsageError, warn
 from training.launch import check_launch_environment
@@ -28,6 +29,10 @@ def flag(default, help, minimum=None, maximum=None, number=None, same_on_resume=
     return field(default=default, metadata=dict(help=help, minimum=minimum, maximum=maximum, number=number,
                                                  only=only, same_on_resume=same_on_resume,
                                                  argparse=argparse_kwargs))
+
+
+PROFILE_DEFAULTS = {"profile_warmup": 3, "profile_steps": 2}
+PROFILE_MAX_STEPS = 10  # a trace's size, and the memory to read it, grow with every step it holds
 
 
 @dataclass
@@ -60,6 +65,10 @@ class TrainConfig:
                                same_on_resume=True, type=int)
     pack: bool = flag(False, "place several sequences in each row, each attending only to itself with positions "
                       "from 0: almost no compute on padding where documents are shorter than --seq-len")
+    packed_attention: str | None = flag(None, "the CUDA kernel of --pack's attention: flex (compiled flex attention, "
+                                        "the default) or varlen (varlen_attn, torch 2.12 on); benchmarks/"
+                                        "bench_packing.py times both on your GPU. A CPU computes either under a mask",
+                                        type=str, choices=["flex", "varlen"])
     batch_size: int | None = flag(None, "GLOBAL sequences per optimizer step (all ranks, all micro-batches)",
                                   minimum=1, same_on_resume=True, type=int)
     grad_accum: int = flag(1, "micro-batches per optimizer step", minimum=1)
@@ -97,9 +106,10 @@ class TrainConfig:
     keep_checkpoints: int = flag(2, "numbered checkpoints to keep; checkpoint.pt is always the newest", minimum=1)
     profile: bool = flag(False, "trace --profile-steps steps on every rank into OUT/profile/ (Perfetto, "
                          "chrome://tracing, TensorBoard; on CUDA a memory snapshot too): docs/profiling.md")
-    profile_warmup: int = flag(3, "steps before the traced ones, not traced (compiling, the allocator, the data "
-                               "feed warm up)", minimum=0)
-    profile_steps: int = flag(2, "steps to trace", minimum=1)
+    profile_warmup: int | None = flag(None, "steps before the traced ones, not traced (compiling, the allocator, the "
+                                      "data feed warm up); default 3", minimum=0, maximum=2**62, type=int)
+    profile_steps: int | None = flag(None, "steps to trace; default 2, at most 10 (a step of the tiny demo model is "
+                                     "2 MB of trace: docs/profiling.md)", minimum=1, maximum=PROFILE_MAX_STEPS, type=int)
     # distributed (train_ddp.py, train_fsdp.py)
     backend: str | None = flag(None, "process-group backend (default: nccl on CUDA, gloo on CPU)",
                                only="distributed", type=str, choices=["nccl", "gloo"])
@@ -196,6 +206,20 @@ def validate(cfg: TrainConfig):
     if cfg.backend == "nccl" and (cfg.device == "cpu" or not torch.cuda.is_available()):
         raise UsageError("--backend nccl needs CUDA GPUs, and this run has none (none visible, or --device cpu): "
                          "leave --backend out (gloo on CPUs)")
+    if cfg.packed_attention and not cfg.pack:
+        raise UsageError("--packed-attention chooses the kernel of packed rows: add --pack, or leave it out")
+    if cfg.packed_attention == "varlen":
+        if cfg.device == "cpu" or not torch.cuda.is_available():
+            raise UsageError("--packed-attention varlen is a CUDA kernel, and this run has no GPU (none visible, or "
+                             "--device cpu): leave the flag out (a CPU computes packed rows under a mask)")
+        if not packed_attention.varlen_with_gqa():
+            raise UsageError(f"--packed-attention varlen needs torch 2.12 or newer (varlen_attn serving grouped-query "
+                             f"attention), and this is torch {torch.__version__}: use flex, the default")
+    given = [name for name in PROFILE_DEFAULTS if getattr(cfg, name) is not None]
+    if given and not cfg.profile:  # as --wandb-run without --wandb: a flag that would do nothing
+        raise UsageError(f"--{given[0].replace('_', '-')} sets what --profile traces: add --profile, or leave it out")
+    for name, default in PROFILE_DEFAULTS.items():
+        setattr(cfg, name, default if getattr(cfg, name) is None else getattr(cfg, name))
     if cfg.wandb_run and not cfg.wandb:
         raise UsageError("--wandb-run names a W&B run: give the project too, with --wandb PROJECT")
     # optional packages, imported only when asked for; then before anything is written

@@ -2,6 +2,7 @@
 warnings, each said once, by the process that speaks for the job."""
 
 import argparse
+import math
 import os
 import sys
 
@@ -29,6 +30,23 @@ def path_argument(value: str) -> str:
     if not value.strip():
         raise argparse.ArgumentTypeError("is empty (an unset variable in a job script?)")
     return value
+
+
+def at_least(minimum, kind=int):
+    """argparse's type for a number of `kind` (int, or float: finite) of at least `minimum`:
+    a benchmark given 0 nodes, -3 micro-steps or 0 tokens a row would divide by zero, print
+    negative gigabytes, or fail after minutes of preparation."""
+    def number(value: str):
+        try:
+            parsed = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'a whole number' if kind is int else 'a number'}, "
+                                             f"got {value!r}") from None
+        if not (parsed >= minimum and math.isfinite(parsed)):
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return parsed
+    number.__name__ = f"{kind.__name__} of at least {minimum}"
+    return number
 
 
 def first_line(e: BaseException) -> str:

@@ -7,6 +7,8 @@ import math
 import torch
 
 import data
+from training.profiling import EVALUATION_MARK
+from training.read_ahead import on_device
 
 
 def val_loader(val_ds, rank: int, world_size: int, batch_size: int, same_length: bool = False):
@@ -27,9 +29,10 @@ def evaluate(model, loader, device) -> torch.Tensor:
     """Return this process's [sum of token losses, number of targets] over `loader`."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in loader:
-        loss_sum, n_tokens = model(*data.on_device(batch, device))
-        totals += torch.stack([loss_sum.sum(), n_tokens.sum()])
+    with torch.profiler.record_function(EVALUATION_MARK):  # --profile: its forwards are no training step's
+        for batch in loader:
+            loss_sum, n_tokens = model(*on_device(batch, device))
+            totals += torch.stack([loss_sum.sum(), n_tokens.sum()])
     model.train()
     return totals
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from model import PRESETS, LlamaConfig, LlamaForPretraining
-from training import chunked_loss, packed_attention
+from ops import chunked_loss, packed_attention
 from training.config import TrainConfig
 from training.errors import UsageError, warn
 

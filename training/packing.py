@@ -1,33 +1,81 @@
 """--pack: the windows of data.py placed several to a row of seq_len positions, so that a
 row is mostly tokens rather than padding. Which windows share a row is decided once (pack,
 best-fit decreasing) and cached beside the windows; PackedSequenceDataset reads the rows,
-each window with its positions from 0, and packed_attention.py keeps each window to itself.
+each window with its positions from 0, and ops/packed_attention.py keeps each window to itself.
 """
 
 import functools
+import hashlib
+import inspect
 from dataclasses import dataclass
+from pathlib import Path
 
 import datasets
 import numpy as np
+import pyarrow
 import pyarrow.compute
 import torch
 
-from data import IGNORE_INDEX, PaddedSequenceDataset
-from training.errors import UsageError
+from data import IGNORE_INDEX, PaddedSequenceDataset, window_targets
+from training.errors import UsageError, first_line, warn
 
 
 def pack(windows: datasets.Dataset, seq_len: int, seed: int) -> datasets.Dataset:
     """Which windows each row of seq_len positions holds (column "windows": their indices),
-    decided once: `datasets` caches it beside the windows. A window fills as many positions
-    as it has targets. Only the windows' lengths are read (from the Arrow column), so memory
-    is a few integers a window, whatever their tokens."""
+    decided once: `datasets` caches it beside the windows, under a key of everything that
+    decides it (the windows, seq_len, the seed and this file's packing code). A window fills
+    as many positions as it has targets. Only the windows' lengths are read (from the Arrow
+    column), so memory is a few integers a window, whatever their tokens.
+
+    What the cache gives back is checked before it is used (a cache is a file anyone may have
+    replaced, truncated or left from other code): every window exactly once, no row over
+    seq_len positions. Anything else is packed again, with a warning naming the file."""
     if len(windows) >= 2**31:
         raise UsageError(f"--pack: {len(windows):,} windows, more than one packing holds (2**31 - 1): "
                          "train on part of the corpus at a time, or without --pack")
-    return windows.with_format("arrow").map(
-        _pack, batched=True, batch_size=None, remove_columns=windows.column_names,  # all windows at once
-        fn_kwargs={"seq_len": seq_len, "seed": seed}, desc="packing",
-        features=datasets.Features({"windows": datasets.Sequence(datasets.Value("uint32"))})).with_format(None)
+    key = datasets.fingerprint.Hasher.hash([windows._fingerprint, seq_len, seed, PACKING_CODE])
+
+    def packed(reuse: bool) -> datasets.Dataset:
+        return windows.with_format("arrow").map(
+            _pack, batched=True, batch_size=None, remove_columns=windows.column_names,  # all windows at once
+            fn_kwargs={"seq_len": seq_len, "seed": seed}, desc="packing", new_fingerprint=key,
+            load_from_cache_file=reuse,
+            features=datasets.Features({"windows": datasets.Sequence(datasets.Value("uint32"))})).with_format(None)
+    targets = window_targets(windows)
+    try:
+        rows = packed(reuse=True)
+        problem = wrong_rows(rows, targets, seq_len)
+    except (OSError, pyarrow.ArrowException, KeyError, TypeError, ValueError) as e:  # truncated, another schema
+        problem = f"cannot be read ({first_line(e)})"
+    if problem is None:
+        return rows
+    cache = Path(windows.cache_files[0]["filename"]).with_name(f"cache-{key}.arrow") if windows.cache_files \
+        else "in memory"
+    warn(f"--pack: the cached packing {cache} {problem}: packing the windows again")
+    rows = packed(reuse=False)
+    if problem := wrong_rows(rows, targets, seq_len):  # what this code made itself: a bug, never data
+        raise RuntimeError(f"the packing {problem}")
+    return rows
+
+
+def wrong_rows(rows: datasets.Dataset, targets: np.ndarray, seq_len: int) -> str | None:
+    """What is wrong with a packing of windows whose targets are `targets` into rows of seq_len
+    positions (None: nothing). It must hold every window exactly once, each row at least one,
+    and no row more positions than seq_len."""
+    column = rows.with_format("arrow")[:]["windows"].combine_chunks()
+    placed, per_row = column.flatten().to_numpy(), np.diff(column.offsets.to_numpy())
+    if len(placed) and placed.max() >= len(targets):
+        return f"places window {placed.max():,}, and the corpus has {len(targets):,}"
+    counts = np.bincount(placed, minlength=len(targets))
+    if (counts != 1).any():
+        return (f"holds {(counts == 0).sum():,} of the {len(targets):,} windows nowhere and {(counts > 1).sum():,} "
+                "more than once")
+    if (per_row == 0).any():
+        return f"holds {(per_row == 0).sum():,} empty rows"
+    used = np.add.reduceat(targets[placed], np.cumsum(per_row) - per_row) if len(per_row) else per_row
+    if (used > seq_len).any():
+        return f"holds a row of {used.max():,} positions, more than --seq-len {seq_len}"
+    return None
 
 
 def _pack(table, seq_len: int, seed: int):
@@ -78,14 +126,24 @@ def best_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int) -> tuple[np
 
 
 
+# The code that decides the rows, in the packing's cache key: edited, it packs otherwise, and
+# rows cached by the code before it must not be taken for its own (`datasets` hashes a
+# function by its name and module, not by what the functions it calls do)
+PACKING_CODE = hashlib.blake2b("".join(inspect.getsource(f) for f in (_pack, best_fit_decreasing)).encode(),
+                               digest_size=16).hexdigest()
+
+
 @dataclass
 class PackedSequenceDataset(PaddedSequenceDataset):
     """--pack: the windows of PaddedSequenceDataset, placed several to a row by `pack`, so
     that a row of seq_len positions is mostly tokens rather than padding. Items are (x, y,
-    position_ids), each (seq_len,) int64: a row's windows one after another, each window's
-    inputs and targets as PaddedSequenceDataset gives them and its positions counted from 0,
-    then padding to seq_len (positions again from 0: a window of padding, which no real
-    token sees). The model keeps each window to itself (packed_attention.window_mask)."""
+    position_ids, cu_seqlens): x, y and position_ids (seq_len,) int64, a row's windows one
+    after another, each window's inputs and targets as PaddedSequenceDataset gives them and
+    its positions counted from 0, then padding to seq_len (positions again from 0: a window of
+    padding, which no real token sees); cu_seqlens (max_windows + 1,) int32, where each window
+    of the row ends, after a 0 and before seq_len repeated: the same length for every row of
+    the dataset, so that a batch has one shape (varlen_attn's input: ops/packed_attention.py).
+    The model keeps each window to itself (packed_attention.window_mask)."""
 
     packing: datasets.Dataset | None = None  # column "windows": the windows each row holds, in order
 
@@ -93,12 +151,26 @@ class PackedSequenceDataset(PaddedSequenceDataset):
         return len(self.packing)
 
     @functools.cached_property
+    def packing_fingerprint(self) -> str:
+        """A hash of which windows each row holds, in order: a checkpoint records it, and a
+        resume must find the same rows (another packing would put its data position elsewhere)."""
+        column = self.packing.with_format("arrow")[:]["windows"].combine_chunks()
+        offsets, placed = column.offsets.to_numpy().astype(np.int64), column.flatten().to_numpy().astype(np.int64)
+        return hashlib.blake2b(offsets.tobytes() + placed.tobytes(), digest_size=16).hexdigest()
+
+    @functools.cached_property
+    def max_windows(self) -> int:
+        """The most windows a row holds, a window of padding included."""
+        offsets = self.packing.with_format("arrow")[:]["windows"].combine_chunks().offsets.to_numpy()
+        return int(np.diff(offsets).max(initial=0)) + 1
+
+    @functools.cached_property
     def targets(self) -> np.ndarray:
         """The real targets of each row: those of its windows."""
         column = self.packing.with_format("arrow")[:]["windows"].combine_chunks()
         return np.add.reduceat(self.window_targets[column.flatten().to_numpy()], column.offsets.to_numpy()[:-1])
 
-    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, ...]]:
         packed = self.packing.with_format("arrow")[indices]["windows"].combine_chunks()
         per_row = np.diff(packed.offsets.to_numpy())  # windows in each row
         column = self.rows.with_format("arrow")[packed.flatten().to_numpy().tolist()]["input_ids"].combine_chunks()
@@ -119,7 +191,16 @@ class PackedSequenceDataset(PaddedSequenceDataset):
         y = np.full((len(indices), self.seq_len), IGNORE_INDEX, dtype=np.int64)
         position_ids = np.maximum(np.arange(self.seq_len) - used[:, None], 0)  # after the windows: 0, 1, 2, ...
         x.flat[target], y.flat[target], position_ids.flat[target] = tokens[source], tokens[source + 1], within
-        return list(zip(torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(position_ids)))
+        # each row's bounds: 0, where each of its windows ends, then seq_len (the padding's end) repeated
+        cu_seqlens = np.full((len(indices), self.max_windows + 1), self.seq_len, dtype=np.int32)
+        cu_seqlens[:, 0] = 0
+        first = np.cumsum(per_row) - per_row  # each row's first window, in window order
+        column = np.arange(len(fills)) - np.repeat(first, per_row) + 1
+        cu_seqlens[np.repeat(np.arange(len(indices)), per_row), column] = (
+            np.cumsum(fills) - np.repeat(np.cumsum(used) - used, per_row))
+        return list(zip(*(torch.from_numpy(a) for a in (x, y, position_ids, cu_seqlens))))
 
     def padding_row(self):
-        return (*super().padding_row(), torch.arange(self.seq_len))  # one window of padding
+        bounds = torch.full((self.max_windows + 1,), self.seq_len, dtype=torch.int32)
+        bounds[0] = 0
+        return (*super().padding_row(), torch.arange(self.seq_len), bounds)  # one window of padding

@@ -15,7 +15,7 @@ from training.config import TrainConfig
 from training.errors import UsageError, first_line, is_rank0
 from training.launch import restart_count
 from training.metrics import read_metrics
-from training.run_folder import (CHECKPOINT, METRICS, MODEL, RUN_FILES, TENSORBOARD, numbered_checkpoints,
+from training.run_folder import (CHECKPOINT, FOLDERS, METRICS, MODEL, RUN_FILES, numbered_checkpoints,
                                  sharded_checkpoints)
 
 
@@ -27,7 +27,7 @@ def resuming(out_dir: str, resume: bool) -> bool:
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out-dir {out} exists and is not a folder")
     # where the run writes a file, a folder or a FIFO would fail its write after training
-    files = [out / name for name in RUN_FILES if name != TENSORBOARD] + numbered_checkpoints(out)
+    files = [out / name for name in RUN_FILES if name not in FOLDERS] + numbered_checkpoints(out)
     if in_the_way := next((p for p in files if os.path.lexists(p) and not p.is_file()), None):
         raise UsageError(f"{in_the_way} is not a regular file, and this run writes a file there: move it away")
     checkpoints = [p for p in [out / CHECKPOINT, *numbered_checkpoints(out)] if p.is_file()]

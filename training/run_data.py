@@ -31,6 +31,8 @@ def prepare(cfg: TrainConfig, turns=OneProcess(), sharded: bool = False, model_f
     if cfg.init_from:  # so is a model that --init-from's weights do not fit
         turns.everywhere(lambda: build.check_init_from(cfg, tokenizer.get_vocab_size()))
     train_ds, val_ds = turns.local_rank0_first(lambda: make_datasets(cfg, tokenizer, train_text, val_text, fingerprint))
+    if ckpt is not None:
+        turns.everywhere(lambda: check_same_packing(ckpt, cfg, train_ds))
     turns.everywhere(lambda: claim_out_dir(cfg, ckpt))  # only now: a refused run creates nothing
     return ckpt, tokenizer, train_ds, val_ds
 
@@ -82,6 +84,21 @@ def check_same_corpus(ckpt: dict, fingerprint: dict, dataset: str):
                 else f"the same number of documents ({was['documents']}), but their text or order differs")
         raise UsageError(f"--dataset {dataset} is not the data this run trained on ({what}): resume with "
                          "that data, or start a new run")
+
+
+def check_same_packing(ckpt: dict, cfg: TrainConfig, train_ds):
+    """A packed run resumes on the rows it trained on: its data position (a step, a row of the
+    epoch's shuffle) means other windows in another packing. (Resumed with the other framing,
+    resume.from_checkpoint says so.)"""
+    if not cfg.pack or ckpt.get("framing") != data.PACKED_FRAMING:
+        return
+    was, name = ckpt.get("packing"), Path(ckpt["path"]).name
+    if was is None:  # written before checkpoints recorded their packing
+        warn(f"{name} does not record its packing: cannot check that --pack's rows are those it trained on")
+    elif was != train_ds.packing_fingerprint:
+        raise UsageError(f"--pack's rows (which windows each row holds) are not those {name} trained on: the packing "
+                         "cached beside the windows changed since it was saved. Resume where that packing is (the "
+                         "same `datasets` cache), or start a new run")
 
 
 def get_tokenizer(cfg: TrainConfig, train_text, resuming: bool) -> Tokenizer:

@@ -22,7 +22,9 @@ from training.errors import UsageError, first_line
 CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS = (
     "checkpoint.pt", "model.pt", "tokenizer.json", "config.json", "metrics.jsonl")
 TENSORBOARD, WANDB_RUN = "tensorboard", "wandb-run.txt"  # --tensorboard's event files, --wandb's run id
-RUN_FILES = (CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS, TENSORBOARD, WANDB_RUN)  # plus checkpoint-<step>.pt
+PROFILE = "profile"  # --profile's traces (profiling.py)
+RUN_FILES = (CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS, TENSORBOARD, WANDB_RUN, PROFILE)  # + checkpoint-<step>.pt
+FOLDERS = (TENSORBOARD, PROFILE)  # of RUN_FILES, the folders
 NUMBERED = re.compile(r"checkpoint-(\d{8,})\.pt")  # checkpoint-00000400.pt: the step, 8 digits or more
 NUMBERED_DIR = re.compile(r"checkpoint-(\d{8,})")  # checkpoint-00000400/: a sharded one (train_fsdp.py)
 

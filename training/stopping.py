@@ -228,18 +228,31 @@ def weights_finite(model: torch.nn.Module, optimizer=None) -> bool:
 
 
 def stop_if_diverged(step: int, cfg, loss: float | None = None, grad_norm: float | None = None,
-                     model: torch.nn.Module | None = None):
+                     model: torch.nn.Module | None = None, vocab_size: int | None = None):
     """Raise if the logged loss or gradient norm, or any weight about to be saved, is not
     finite: nothing non-finite reaches metrics.jsonl or a checkpoint, and the older
-    checkpoints stay good. And if the gradient norm is exactly 0: AdamW would do nothing."""
+    checkpoints stay good. And if the gradient norm is exactly 0: AdamW would do nothing.
+    Every gradient is exactly 0 where the network saturated (each logit so far from the rest
+    that every softmax is exactly one-hot): a diverging run's does, its loss blown up past
+    twice a uniform guess's, ln(vocab_size) (an untrained model's is just above it), or every
+    target then certain, its loss 0. Or where the gradients never reached the weights."""
     weights_bad = model is not None and not weights_finite(model)
     logged = {"loss": loss, "gradient norm": grad_norm}
     bad = [f"{name} is {value}" for name, value in logged.items() if value is not None and not math.isfinite(value)]
+    lower = f"Start again with a lower --lr (was {cfg.lr}) or a longer --warmup-steps (was {cfg.warmup_steps})"
     if weights_bad or bad:
         what = "weights are not finite" if weights_bad else bad[0]
-        raise UsageError(f"training diverged: the {what} at step {step}. Start again with a lower --lr "
-                         f"(was {cfg.lr}) or a longer --warmup-steps (was {cfg.warmup_steps})")
-    if grad_norm == 0.0:  # no real target has a gradient of exactly 0: the gradients never reached the weights
+        raise UsageError(f"training diverged: the {what} at step {step}. {lower}")
+    if grad_norm != 0.0:
+        return
+    uniform = math.log(vocab_size) if vocab_size else math.inf  # the loss of a uniform guess over the vocabulary
+    if loss is not None and not 1e-3 < loss <= 2 * uniform:
+        raise UsageError(f"training diverged: the gradients are all exactly 0 at step {step}, the loss at {loss:.4g} "
+                         f"(a uniform guess's: {uniform:.3g}): the network saturated. {lower}")
+    if cfg.compile:
         raise UsageError(f"every gradient is exactly 0 at step {step}: the model does not train. A compiler bug "
                          f"does this (torch 2.11 with --compile, pytorch/pytorch#180642): run without --compile, "
                          f"or with another torch (this is {torch.__version__})")
+    raise UsageError(f"every gradient is exactly 0 at step {step}, with the loss at {loss:.4g}, not rising: the "
+                     "model does not train. The gradients do not reach the weights: a change to the model or its "
+                     "loss (a backward that returns zeros, a detached tensor) does this")
