@@ -291,7 +291,16 @@ def test_queries_in_blocks_equal_one_call_with_the_whole_mask_forward_and_backwa
                   floor, FLOOR_MULTIPLE)
 
 
+# Inductor compiles flex attention for a CPU only with its vector instructions: under
+# ATEN_CPU_CAPABILITY=default, "torch.compile on current platform is not supported for CPU"
+# (torch's flex_cpu.py). These two run CUDA's path on the CPU as a stand-in; CUDA's own tests are
+# in test_cuda.py, and everything else compiled runs under default too.
+compiles_flex_on_this_cpu = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT",
+                                               reason="inductor compiles CPU flex attention with vector instructions only")
+
+
 @pytest.mark.compile
+@compiles_flex_on_this_cpu
 def test_cudas_flex_attention_block_mask_computes_what_the_cpus_mask_computes():
     """CUDA's path (a BlockMask from the same positions, compiled flex attention), run here on
     the CPU, where flex attention computes forward only. Its backward: tests/test_cuda.py."""
@@ -343,6 +352,7 @@ def test_the_block_mask_is_compiled_once_for_every_layout_and_equals_the_eager_o
 
 
 @pytest.mark.compile
+@compiles_flex_on_this_cpu
 def test_flex_attention_called_eagerly_after_a_compiled_model_is_still_the_compiled_kernel(monkeypatch):
     """A compiled model (--pack --compile) calls packed_attention.flex_attention while it is being
     traced, where torch.compile is a no-op. An eager call after it (a benchmark, an uncompiled
