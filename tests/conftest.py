@@ -108,13 +108,18 @@ def corpus(tmp_path_factory) -> Path:
 
 def run_script(script: str, args: list[str], nproc: int = 0, wrapper: str | None = None,
                env: dict | None = None, check: bool = True, timeout: int = 600,
-               torchrun_args: list[str] = ()) -> subprocess.CompletedProcess:
+               torchrun_args: list[str] = (), real_torchrun: bool = False) -> subprocess.CompletedProcess:
     """Run train_dp.py / train_ddp.py. nproc=0: plain python; nproc>0: torchrun with
-    that many CPU processes (gloo). wrapper: a script that runs the trainer for us."""
+    that many CPU processes (gloo). wrapper: a script that runs the trainer for us.
+    A run that must succeed (check) and injects no fault is launched by
+    tests/torchrun_forked.py, torchrun with ranks forked after the imports (half the CPU);
+    any other, whose subject may be the launch itself, by the real torchrun (and any with
+    real_torchrun)."""
     target = [str(REPO / wrapper), str(REPO / script)] if wrapper else [str(REPO / script)]
     if nproc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", *torchrun_args, *target, *args]
+        forked = check and not torchrun_args and wrapper != "tests/inject_fault.py" and not real_torchrun
+        launcher = ["-u", str(REPO / "tests/torchrun_forked.py")] if forked else ["-m", "torch.distributed.run"]
+        cmd = [sys.executable, *launcher, "--standalone", f"--nproc_per_node={nproc}", *torchrun_args, *target, *args]
     else:
         cmd = [sys.executable, *target, *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=launch_env(env))

@@ -6,7 +6,6 @@ audit event, are wrapped. The list goes to $WRITE_LOG_DIR/rank<RANK>.txt. Used t
 which rank writes what (test_only_rank_0_writes_files; the two-node test proves it at the
 OS level for DDP, from an output folder of each node's own)."""
 
-import atexit
 import os
 import runpy
 import sys
@@ -53,13 +52,11 @@ torch.save = recording(torch.save, 1)  # torch.save(obj, path): a path is writte
 Tokenizer.save = recording(Tokenizer.save, 1)  # Tokenizer.save(self, path), from Rust
 
 
-@atexit.register
-def dump():
-    with open(log, "w") as f:
-        f.write("".join(w + "\n" for w in writes))
-
-
 sys.addaudithook(hook)
 sys.argv = sys.argv[1:]
 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
-runpy.run_path(sys.argv[0], run_name="__main__")
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:  # not atexit: a rank forked by tests/torchrun_forked.py ends without running it
+    with open(log, "w") as f:
+        f.write("".join(w + "\n" for w in writes))

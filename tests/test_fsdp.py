@@ -434,7 +434,8 @@ def test_fsdp_builds_no_whole_model_and_draws_the_initial_weights_of_one_process
     its part. Gathered whole again, the weights are bitwise those one process (DP, DDP) starts
     from, and the RoPE tables are computed again in the fresh memory."""
     found = tmp_path / "found.json"
-    run_script("tests/fsdp_initial_weights.py", [str(found)], nproc=2)
+    # real: its ranks end with os._exit, and a forked rank's torchrun waits for its return value
+    run_script("tests/fsdp_initial_weights.py", [str(found)], nproc=2, real_torchrun=True)
     result = json.loads(found.read_text())
     assert result["on_meta"] and result["names_equal"] and result["differ"] == [] and result["rope"]
     assert result["local"] <= result["total"] // 2 + 1_000  # this rank's half (a shard of uneven rows rounds up)
