@@ -85,7 +85,8 @@ class CheckpointWriter:
     def __init__(self, out_dir: str, keep: int):
         self.out, self.keep = Path(out_dir), keep
         self.thread, self.error = None, None
-        stopping.finish_before_exit(self.wait)  # an error in the training loop lets a save in flight complete
+        # an error in the training loop lets a save in flight complete
+        stopping.finish_before_exit(self.wait, "the checkpoint being saved")
 
     def save(self, model, optimizer, run_state: dict):
         """Checkpoint the model, the optimizer and run_state() (the step, the data position...)."""

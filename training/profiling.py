@@ -73,8 +73,9 @@ class Profiler:
             return f"--profile: no permission to write in {folder}"
         return None
 
-    def name(self) -> str:
-        return f"rank{self.rank}.steps{self.first}-{self.last}"
+    def name(self, first: int | None = None, last: int | None = None) -> str:
+        """The trace's file name without its suffix: the steps planned, or those recorded."""
+        return f"rank{self.rank}.steps{self.first if first is None else first}-{self.last if last is None else last}"
 
     def begin(self, step: int):
         if not self.enabled or not self.first <= step <= self.last:
@@ -87,7 +88,8 @@ class Profiler:
             self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
             with _quiet_stderr():
                 self.profiler.start()
-            stopping.finish_before_exit(self.close)  # an error or a signal from here on: stopped, and kept
+            # an error or a signal from here on: stopped, and kept
+            stopping.finish_before_exit(self.close, "the trace being recorded")
         self.mark = torch.profiler.record_function(f"{STEP_MARK}{step}")
         self.mark.__enter__()
         self.steps.append(step)
@@ -124,7 +126,7 @@ class Profiler:
             self.mark = None
         with _quiet_stderr():
             profiler.stop()
-        name = f"rank{self.rank}.steps{self.steps[0]}-{self.steps[-1]}"
+        name = self.name(self.steps[0], self.steps[-1])
         tmp = self.out / f"{name}.tmp"
         try:
             self.out.mkdir(parents=True, exist_ok=True)

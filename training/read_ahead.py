@@ -49,7 +49,7 @@ class ReadAhead:
         # A run that ends before its last step (an error, a signal) ends the thread first, before
         # the interpreter does: a thread still reading in C++ when Python ends it aborted the
         # process ("terminate called without an active exception", exit -6 instead of our 2).
-        stopping.finish_before_exit(end)
+        stopping.finish_before_exit(end, "the batches being read ahead")
         weakref.finalize(self, stop.set)  # and a reader dropped mid-epoch stops once collected
 
     def __iter__(self):

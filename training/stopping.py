@@ -21,13 +21,14 @@ from training.errors import RankError, UsageError, first_line, is_rank0, warn
 
 
 # Background work to finish before the process ends or its process group goes: checkpoints
-# still being written (checkpoint.CheckpointWriter registers its wait). A sharded save
-# talks to the other ranks until its last file is written.
+# still being written (checkpoint.CheckpointWriter registers its wait; a sharded save talks to
+# the other ranks until its last file is written), a trace being recorded, a batch being read
+# ahead. Each as (wait, what it is), for the warning if waiting fails.
 _UNFINISHED = []
 
 
-def finish_before_exit(wait):
-    _UNFINISHED.append(wait)
+def finish_before_exit(wait, what: str):
+    _UNFINISHED.append((wait, what))
 
 
 def _finish_background_work():
@@ -36,10 +37,11 @@ def _finish_background_work():
     leave a half-written checkpoint behind. Its own failure is a warning: the error that ended
     the run has been printed already."""
     while _UNFINISHED:
+        wait, what = _UNFINISHED.pop()
         try:
-            _UNFINISHED.pop()()
+            wait()
         except Exception as e:
-            warn(f"the checkpoint being saved was not completed: {first_line(e)}")
+            warn(f"{what} was not completed: {first_line(e)}")
 
 
 # A signal before training begins (StopSignal, below, takes over then) ends the process at
