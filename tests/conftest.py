@@ -114,7 +114,9 @@ def run_script(script: str, args: list[str], nproc: int = 0, wrapper: str | None
     A run that must succeed (check) and injects no fault is launched by
     tests/torchrun_forked.py, torchrun with ranks forked after the imports (half the CPU);
     any other, whose subject may be the launch itself, by the real torchrun (and any with
-    real_torchrun)."""
+    real_torchrun: a rank that ends with os._exit, which a forked rank's torchrun would wait on
+    until the timeout; a GPU run, launched as a user launches it). A forked rank keeps
+    torchrun's signal handlers: a run that is sent a signal uses the real one."""
     target = [str(REPO / wrapper), str(REPO / script)] if wrapper else [str(REPO / script)]
     if nproc:
         forked = check and not torchrun_args and wrapper != "tests/inject_fault.py" and not real_torchrun

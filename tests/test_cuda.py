@@ -61,7 +61,8 @@ def last_checkpoint_weights(out, tmp_path) -> dict:
 
 def trains_resumes_and_loads(runs, tmp_path, script, nproc, extra=()):
     gpu_fast = [*GPU_FAST, *extra]
-    straight = runs(f"cuda_{script}{''.join(extra)}", script, gpu_fast, nproc=nproc)
+    # the real torchrun, as a user launches on a GPU (tests/torchrun_forked.py is the CPU suite's)
+    straight = runs(f"cuda_{script}{''.join(extra)}", script, gpu_fast, nproc=nproc, real_torchrun=True)
     rows = [row for row in metrics(straight) if "loss" in row]
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5  # it learns
     if peak_tflops(torch.device("cuda", 0), torch.bfloat16):  # a GPU whose peak we know
@@ -75,8 +76,9 @@ def trains_resumes_and_loads(runs, tmp_path, script, nproc, extra=()):
     # stopped at step 4 and resumed on the GPU: the same run, to GPU rounding
     half = tmp_path / "half"
     run_script(script, ["--dataset", str(runs.corpus), *gpu_fast, "--out-dir", str(half), "--stop-at-step", "4"],
-               nproc=nproc)
-    run_script(script, ["--dataset", str(runs.corpus), *gpu_fast, "--out-dir", str(half), "--resume"], nproc=nproc)
+               nproc=nproc, real_torchrun=True)
+    run_script(script, ["--dataset", str(runs.corpus), *gpu_fast, "--out-dir", str(half), "--resume"], nproc=nproc,
+               real_torchrun=True)
     assert max_weight_diff(load_weights(straight), load_weights(half)) < 1e-2
     return straight
 
@@ -151,7 +153,7 @@ def test_the_cluster_check_on_a_gpu_reports_it_and_checks_nccl():
     """One rank per GPU (as many as there are): the GPU's name, torch's CUDA and NCCL versions,
     a correct all-reduce over NCCL and over gloo; with several GPUs, their bus bandwidth."""
     gpus = torch.cuda.device_count()
-    proc = run_script("tools/check_cluster.py", ["--timeout-seconds", "60"], nproc=gpus)
+    proc = run_script("tools/check_cluster.py", ["--timeout-seconds", "60"], nproc=gpus, real_torchrun=True)
     print(proc.stdout)
     nccl = ".".join(map(str, torch.cuda.nccl.version()))
     rows = [line for line in proc.stdout.splitlines() if line[:1].isdigit()]

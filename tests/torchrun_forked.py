@@ -22,6 +22,7 @@ import torch.distributed.fsdp  # noqa: F401
 from torch.distributed.run import main
 
 if __name__ == "__main__":
-    # the script's imports find its folder first, as with `python SCRIPT`: the repository root
+    # the trainer's modules first on sys.path, as `python train_ddp.py` puts its folder (each
+    # wrapper and tool in a folder below inserts the root itself)
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     main(["--run-path", "--start-method", "fork", *sys.argv[1:]])
