@@ -230,9 +230,10 @@ PROCESS_STATE = {
                                                            if k not in NOT_THE_TESTS]),
 }
 # Variables libraries set for themselves, once: pytest's name of the test running; inductor's cache
-# folder and its own pointer (set on its first use); W&B's service, started by the first wandb.init
+# folder and its own pointer (set on its first use), and on CUDA Triton's cache folder and ptxas (set
+# by the first kernel inductor compiles for a GPU); W&B's service, started by the first wandb.init
 NOT_THE_TESTS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
-                 "WANDB_SERVICE"}
+                 "TRITON_CACHE_DIR", "TRITON_PTXAS_PATH", "WANDB_SERVICE"}
 
 
 @pytest.fixture

@@ -59,10 +59,15 @@ def last_checkpoint_weights(out, tmp_path) -> dict:
     return torch.load(tmp_path / "gathered.pt", map_location="cpu", weights_only=True)["model"]
 
 
+def gpu_run(runs, script, nproc=0, extra=()):
+    """A GPU training run, memoized under one name for every test that reads it, and launched by
+    the real torchrun, as a user launches on a GPU (tests/torchrun_forked.py is the CPU suite's)."""
+    return runs(f"cuda_{script}{''.join(extra)}", script, [*GPU_FAST, *extra], nproc=nproc, real_torchrun=True)
+
+
 def trains_resumes_and_loads(runs, tmp_path, script, nproc, extra=()):
     gpu_fast = [*GPU_FAST, *extra]
-    # the real torchrun, as a user launches on a GPU (tests/torchrun_forked.py is the CPU suite's)
-    straight = runs(f"cuda_{script}{''.join(extra)}", script, gpu_fast, nproc=nproc, real_torchrun=True)
+    straight = gpu_run(runs, script, nproc, extra)
     rows = [row for row in metrics(straight) if "loss" in row]
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5  # it learns
     if peak_tflops(torch.device("cuda", 0), torch.bfloat16):  # a GPU whose peak we know
@@ -142,7 +147,7 @@ def test_sdpa_serves_gqa_with_the_flash_kernel_in_bf16_and_a_memory_efficient_on
 
 
 def test_generate_on_the_gpu(runs):
-    out = runs("cuda_train_dp.py", "train_dp.py", GPU_FAST)
+    out = gpu_run(runs, "train_dp.py")
     proc = run_script("tools/generate.py", [str(out), "--prompt", "the model", "--max-new-tokens", "16", "--temperature", "0"])
     assert proc.stdout.startswith("the model") and len(proc.stdout) > len("the model\n")
     assert run_script("tools/generate.py", [str(out), "--prompt", "the model", "--max-new-tokens", "16",
