@@ -52,6 +52,10 @@ if "ATEN_CPU_CAPABILITY" in os.environ:
         tempfile.gettempdir(), f"torchinductor_{os.getuid()}_{os.environ['ATEN_CPU_CAPABILITY']}"))
 
 
+# The environment every test starts from (a test's changes are undone: PROCESS_STATE)
+WORKER_ENVIRONMENT = dict(os.environ)
+
+
 # Bitwise equality of two runs holds only at the same thread count: on some CPUs (seen on an
 # Intel Xeon) kernels round differently with 1 and 2 threads. torchrun sets OMP_NUM_THREADS=1
 # for its workers only when --nproc_per_node is above 1, so every launch here fixes it.
@@ -109,25 +113,47 @@ def corpus(tmp_path_factory) -> Path:
 def run_script(script: str, args: list[str], nproc: int = 0, wrapper: str | None = None,
                env: dict | None = None, check: bool = True, timeout: int = 600,
                torchrun_args: list[str] = (), real_torchrun: bool = False) -> subprocess.CompletedProcess:
-    """Run train_dp.py / train_ddp.py. nproc=0: plain python; nproc>0: torchrun with
-    that many CPU processes (gloo). wrapper: a script that runs the trainer for us.
-    A run that must succeed (check) and injects no fault is launched by
-    tests/torchrun_forked.py, torchrun with ranks forked after the imports (half the CPU);
-    any other, whose subject may be the launch itself, by the real torchrun (and any with
-    real_torchrun: a rank that ends with os._exit, which a forked rank's torchrun would wait on
-    until the timeout; a GPU run, launched as a user launches it). A forked rank keeps
-    torchrun's signal handlers: a run that is sent a signal uses the real one."""
+    """Runs a script as a user would: nproc=0, `python SCRIPT ARGS`; nproc>0, torchrun with that
+    many CPU processes (gloo). wrapper: a script that runs the trainer for us. Cheapest first,
+    where the test allows:
+    - The ranks of a run that must succeed (check) and injects no fault are forked after the
+      imports, by tests/torchrun_forked.py. Any other's, whose subject may be the launch itself,
+      are started by the real torchrun, as a user's are; so are real_torchrun's: a rank that ends
+      with os._exit, which a forked rank's torchrun would wait on until the timeout, and a GPU
+      run. (A forked rank keeps torchrun's signal handlers: a run sent a signal uses the real one.)
+    - The process itself (the script, tests/torchrun_forked.py, or the real torchrun's agent) is
+      forked from this worker's tests/fork_server.py, which imported torch once: 6 s of CPU less
+      a launch. Not with real_torchrun, nor a fault injected into one process (it may aim at the
+      process that launched it), nor in an environment the server's imports would read otherwise."""
     target = [str(REPO / wrapper), str(REPO / script)] if wrapper else [str(REPO / script)]
+    env = launch_env(env)
     if nproc:
-        forked = check and not torchrun_args and wrapper != "tests/inject_fault.py" and not real_torchrun
-        launcher = ["-u", str(REPO / "tests/torchrun_forked.py")] if forked else ["-m", "torch.distributed.run"]
+        forked_ranks = check and not torchrun_args and wrapper != "tests/inject_fault.py" and not real_torchrun
+        launcher = ["-u", str(REPO / "tests/torchrun_forked.py")] if forked_ranks else ["-m", "torch.distributed.run"]
         cmd = [sys.executable, *launcher, "--standalone", f"--nproc_per_node={nproc}", *torchrun_args, *target, *args]
     else:
         cmd = [sys.executable, *target, *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=launch_env(env))
+    forked = not real_torchrun and (nproc or wrapper != "tests/inject_fault.py")
+    proc = fork_server().run([a for a in cmd[1:] if a != "-u"], REPO, env, timeout, unbuffered="-u" in cmd) \
+        if forked else None
+    if proc is None:  # not forked, or not forkable: another environment, the server busy with another thread
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+_FORK_SERVER = []
+
+
+def fork_server():
+    """This worker's tests/fork_server.py, started on first use, in the environment the worker
+    started with (a test's own changes to it start new interpreters); ended with the worker."""
+    from fork_server import ForkServer
+    if not _FORK_SERVER:
+        _FORK_SERVER.append(ForkServer({**WORKER_ENVIRONMENT, **THREADS}, FORKABLE_VARIABLES))
+        atexit.register(_FORK_SERVER[0].close)
+    return _FORK_SERVER[0]
 
 
 def load_weights(out_dir: Path) -> dict:
@@ -234,6 +260,10 @@ PROCESS_STATE = {
 # by the first kernel inductor compiles for a GPU); W&B's service, started by the first wandb.init
 NOT_THE_TESTS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
                  "TRITON_CACHE_DIR", "TRITON_PTXAS_PATH", "WANDB_SERVICE"}
+# What a launch forked from tests/fork_server.py may set beside the worker's environment: those,
+# and the variables of our wrappers (perturb.py, spy.py, record_writes.py), all read once the
+# script runs, never while importing what the server imported.
+FORKABLE_VARIABLES = NOT_THE_TESTS | {"PERTURB", "SPY_DIR", "WATCH_DIR", "WRITE_LOG_DIR"}
 
 
 @pytest.fixture

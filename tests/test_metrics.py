@@ -163,14 +163,13 @@ def wait_for(condition, what: str, seconds: float = 120):
         time.sleep(0.2)
 
 
-# Both of TensorBoard's loaders: its Rust data server (the default where pip installed it) and
-# the Python one (--load_fast false), which drops the steps a resumed run trains again only
-# because the run says where it resumed (SummaryWriter's purge_step).
-@pytest.mark.parametrize("load_fast", ["auto", "false"])
-def test_tensorboard_serves_the_logged_scalars_and_a_resumed_run_one_value_per_step(runs, tmp_path, load_fast):
-    """A real tensorboard server against a 2-rank DDP run killed at step 7 (logged to step 6,
-    checkpoint at step 4); then resumed to the end under the same server: steps 5 and 6 are
-    trained again, and each step still shows one value, the one metrics.jsonl holds."""
+def test_both_tensorboard_loaders_serve_the_logged_scalars_and_a_resumed_run_one_value_per_step(runs, tmp_path):
+    """Real tensorboard servers against a 2-rank DDP run killed at step 7 (logged to step 6,
+    checkpoint at step 4); then resumed to the end under the same servers: steps 5 and 6 are
+    trained again, and each step still shows one value, the one metrics.jsonl holds. Both of
+    TensorBoard's loaders watch the run: its Rust data server (the default where pip installed
+    it) and the Python one (--load_fast false), which drops the steps a resumed run trains again
+    only because the run says where it resumed (SummaryWriter's purge_step)."""
     out = tmp_path / "run"
     args = ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), "--tensorboard"]
     killed = run_script("train_ddp.py", args, nproc=2, wrapper="tests/inject_fault.py", check=False,
@@ -179,22 +178,27 @@ def test_tensorboard_serves_the_logged_scalars_and_a_resumed_run_one_value_per_s
     assert killed.returncode != 0 and [r["step"] for r in rows_of(out) if "loss" in r] == [2, 4, 6]
     tags = sorted({key for row in rows_of(out) for key in metrics.scalars(row)})
     assert {"loss", "val_loss", "grad_norm", "tokens_seen", "data_wait_fraction", "lr"} <= set(tags)
-    server, address = tensorboard_server(out, load_fast)  # as the README says: tensorboard --logdir OUT
+    servers = {}
     try:
-        wait_for(lambda: served_scalars(address, "loss") == as_served(rows_of(out), "loss"), "the killed run's loss")
-        for tag in tags:
-            assert served_scalars(address, tag) == as_served(rows_of(out), tag), tag
-        run_script("train_ddp.py", [*args, "--resume"], nproc=2)
-        final = rows_of(out)
-        assert [r["step"] for r in final if "loss" in r] == [2, 4, 6, 8]
-        wait_for(lambda: served_scalars(address, "loss") == as_served(final, "loss"), "the resumed run's loss")
-        for tag in tags:
-            served = served_scalars(address, tag)
-            assert served == as_served(final, tag), tag
-            assert len({step for step, _ in served}) == len(served)  # one value per step
+        for load_fast in ("auto", "false"):  # as the README says: tensorboard --logdir OUT
+            servers[load_fast] = tensorboard_server(out, load_fast)
+        for when, rows in (("killed", rows_of(out)), ("resumed", None)):
+            if rows is None:
+                run_script("train_ddp.py", [*args, "--resume"], nproc=2)
+                rows = rows_of(out)
+                assert [r["step"] for r in rows if "loss" in r] == [2, 4, 6, 8]
+            for load_fast, (_, address) in servers.items():
+                # every scalar as metrics.jsonl holds it, once the server has read the whole file
+                # (a reload may land between the step's row and its evaluation's)
+                wait_for(lambda: all(served_scalars(address, tag) == as_served(rows, tag) for tag in tags),
+                         f"the {when} run's scalars (--load_fast {load_fast})")
+                for tag in tags:
+                    served = served_scalars(address, tag)
+                    assert len({step for step, _ in served}) == len(served)  # one value per step
     finally:
-        server.terminate()
-        server.wait()
+        for server, _ in servers.values():
+            server.terminate()
+            server.wait()
 
 
 def wandb_records(run_dir: Path) -> list[dict]:

@@ -12,8 +12,8 @@ does (conftest.run_script)."""
 import os
 import sys
 
-# What every rank imports, imported once, here. Ours (data, model, training) is left to each
-# rank, as the script's own imports.
+# What every rank imports, imported once, here (and in tests/fork_server.py, which imports this
+# module). Ours (data, model, training) is left to each rank, as the script's own imports.
 import datasets  # noqa: F401
 import tokenizers  # noqa: F401
 import torch._dynamo  # noqa: F401  (torch.optim imports it on the first optimizer)
