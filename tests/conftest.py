@@ -134,8 +134,8 @@ def run_script(script: str, args: list[str], nproc: int = 0, wrapper: str | None
     else:
         cmd = [sys.executable, *target, *args]
     forked = not real_torchrun and (nproc or wrapper != "tests/inject_fault.py")
-    proc = fork_server().run([a for a in cmd[1:] if a != "-u"], REPO, env, timeout, unbuffered="-u" in cmd) \
-        if forked else None
+    unbuffered = cmd[1] == "-u"  # python's flag, before the script
+    proc = fork_server().run(cmd[1 + unbuffered:], REPO, env, timeout, unbuffered=unbuffered) if forked else None
     if proc is None:  # not forked, or not forkable: another environment, the server busy with another thread
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:

@@ -10,7 +10,10 @@ What a child does is what `python SCRIPT ARGS` does: the script runs as __main__
 sys.argv and sys.path[0] as python sets them, in the launch's folder and environment, writing
 to the launch's stdout and stderr; an uncaught exception is printed and exits 1; at its end the
 interpreter joins the non-daemon threads and runs atexit, as any process ends. Each child leads
-a process group of its own, so a timeout ends it with whatever it started.
+a process group of its own, which a timeout kills (the real torchrun's ranks start sessions of
+their own, as they do under subprocess.run). What a child shares with the server, as the ranks of
+tests/torchrun_forked.py share with their launcher: the string hash seed, numpy's global RNG, and
+the warnings that importing printed once, in the server.
 
 The protocol, over a Unix socket pair from the test worker: one JSON request (argv, cwd, env,
 unbuffered) with the stdout and stderr file descriptors passed beside it (SCM_RIGHTS), answered
@@ -47,6 +50,7 @@ class ForkServer:
                                        env=self.env, stdin=subprocess.DEVNULL)
         theirs.close()
         self.busy = threading.Lock()
+        self.broken = False  # a launch left half-answered: the replies would be out of step
 
     def close(self):
         self.conn.close()  # the server's recv ends: it exits
@@ -54,7 +58,8 @@ class ForkServer:
 
     def run(self, argv: list[str], cwd, env: dict, timeout: float, unbuffered: bool = False):
         differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
-        if not differ <= self.forkable or self.server.poll() is not None or not self.busy.acquire(blocking=False):
+        if (not differ <= self.forkable or self.broken or self.server.poll() is not None
+                or not self.busy.acquire(blocking=False)):
             return None
         try:
             with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
@@ -64,10 +69,18 @@ class ForkServer:
                 try:
                     returncode = self.answer(timeout)["returncode"]
                 except TimeoutError:
-                    os.killpg(pid, signal.SIGKILL)  # the launch and whatever it started, as subprocess.run kills
+                    try:  # the launch and its process group, as subprocess.run kills its child
+                        os.killpg(pid, signal.SIGKILL)
+                    except ProcessLookupError:  # it ended meanwhile
+                        pass
                     self.answer()
                     raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, text(out), text(err)) from None
                 return subprocess.CompletedProcess([sys.executable, *argv], returncode, text(out), text(err))
+        except subprocess.TimeoutExpired:
+            raise
+        except BaseException:
+            self.broken = True  # later launches start new interpreters
+            raise
         finally:
             self.busy.release()
 
@@ -145,6 +158,7 @@ def run_as_main(module: str | None) -> int:
     try:
         if module:  # what `python -m` runs, in a __main__ of its own
             sys.modules["__main__"] = types.ModuleType("__main__")
+            sys.modules.pop(module, None)  # imported here, not by a new interpreter (runpy would warn)
             runpy._run_module_as_main(module, alter_argv=True)
         else:
             runpy.run_path(script, run_name="__main__")

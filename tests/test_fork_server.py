@@ -40,6 +40,17 @@ def test_a_forked_launch_prints_and_ends_as_a_new_interpreter(tmp_path, how, as_
     assert "atexit ran" in forked.stdout and "the thread joined" in forked.stdout
 
 
+def test_a_module_the_server_imported_runs_as_a_new_interpreter_runs_it(tmp_path):
+    """`python -m torch.distributed.run` (the real torchrun's agent), which the server imported:
+    run as __main__ without runpy's warning that it was imported already."""
+    argv = ["-m", "torch.distributed.run", "--help"]
+    forked = fork_server().run(argv, tmp_path, launch_env(), timeout=60)
+    anew = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=launch_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert forked is not None and forked.stdout.startswith("usage: ")
+    assert (forked.returncode, forked.stdout, forked.stderr) == (anew.returncode, anew.stdout, anew.stderr)
+
+
 def test_a_forked_launch_past_its_timeout_is_killed_with_the_processes_it_started(tmp_path):
     script = tmp_path / "script.py"
     script.write_text("import subprocess, sys, time\n"
