@@ -4,6 +4,7 @@ for the two training scripts (in a subprocess, as a user would run them)."""
 import atexit
 import contextlib
 import fcntl
+import functools
 import io
 import json
 import os
@@ -143,17 +144,14 @@ def run_script(script: str, args: list[str], nproc: int = 0, wrapper: str | None
     return proc
 
 
-_FORK_SERVER = []
-
-
+@functools.cache
 def fork_server():
     """This worker's tests/fork_server.py, started on first use, in the environment the worker
     started with (a test's own changes to it start new interpreters); ended with the worker."""
     from fork_server import ForkServer
-    if not _FORK_SERVER:
-        _FORK_SERVER.append(ForkServer({**WORKER_ENVIRONMENT, **THREADS}, FORKABLE_VARIABLES))
-        atexit.register(_FORK_SERVER[0].close)
-    return _FORK_SERVER[0]
+    server = ForkServer({**WORKER_ENVIRONMENT, **THREADS}, FORKABLE_VARIABLES)
+    atexit.register(server.close)
+    return server
 
 
 def load_weights(out_dir: Path) -> dict:

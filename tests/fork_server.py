@@ -35,6 +35,7 @@ import tempfile
 import threading
 import types
 
+
 class ForkServer:
     """The test worker's end, starting the server in env. run() returns what
     subprocess.run(capture_output=True, text=True) would, or None where the launch must start a
@@ -100,9 +101,9 @@ def text(file) -> str:
     return io.TextIOWrapper(io.BytesIO(file.read()), encoding=locale.getpreferredencoding(False)).read()
 
 
-def serve(conn: socket.socket) -> dict:
+def serve(conn: socket.socket) -> str | None:
     """Forks a child for each request until the worker hangs up (then exits). Returns only in a
-    child, with the request it is to run."""
+    child, made the launch it is to run: with the module of `python -m`, else None."""
     while True:
         message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
         if not message:
@@ -111,8 +112,7 @@ def serve(conn: socket.socket) -> dict:
         pid = os.fork()
         if pid == 0:
             conn.close()
-            become(request, fds)
-            return request
+            return become(request, fds)
         for fd in fds:
             os.close(fd)
         reply(conn, {"pid": pid})
@@ -127,9 +127,10 @@ def reply(conn: socket.socket, message: dict):
         sys.exit(0)
 
 
-def become(request: dict, fds: list[int]):
-    """This child is now `python ARGV` as the request launches it."""
-    os.setsid()  # its own process group: a timeout kills it with its ranks
+def become(request: dict, fds: list[int]) -> str | None:
+    """This child is now `python ARGV` as the request launches it; returns the module of
+    `python -m MODULE`, else None."""
+    os.setsid()  # its own process group, which a timeout kills
     devnull = os.open(os.devnull, os.O_RDONLY)
     for fd, target in ((devnull, 0), (fds[0], 1), (fds[1], 2)):
         os.dup2(fd, target)
@@ -143,9 +144,10 @@ def become(request: dict, fds: list[int]):
     if request["argv"][0] == "-m":  # python -m MODULE ARGS: the folder first on sys.path (runpy sets argv[0])
         sys.argv = ["-m", *request["argv"][2:]]
         sys.path[0] = os.getcwd()
-    else:  # python SCRIPT ARGS: the script's own folder first
-        sys.argv = list(request["argv"])
-        sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+        return request["argv"][1]
+    sys.argv = list(request["argv"])  # python SCRIPT ARGS: the script's own folder first
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+    return None
 
 
 def run_as_main(module: str | None) -> int:
@@ -190,5 +192,5 @@ if __name__ == "__main__":
     # tokenizers, the compiler, DCP, FSDP, torchrun). Ours (data, model, training) is left to each
     # child, as the script's own imports: a wrapper may patch them first.
     import torchrun_forked  # noqa: F401
-    request = serve(socket.socket(fileno=int(sys.argv[1])))
-    os._exit(run_as_main(request["argv"][1] if request["argv"][0] == "-m" else None))  # in the child
+    module = serve(socket.socket(fileno=int(sys.argv[1])))
+    os._exit(run_as_main(module))  # in the child
