@@ -69,7 +69,11 @@ class LlamaConfig:
 
 # `article`: the article's full-size model (README.md names it) (about 180M parameters with a 50K vocabulary).
 # `tiny`: the CPU demo, small enough to train visibly in a few minutes on two cores.
+# `debug`: the smallest model with every part of the others (grouped-query attention, more than one
+# layer), as torchtitan's debug model: to try a setup or a change in seconds (the tests train it).
 PRESETS = {
+    "debug": dict(max_position_embeddings=1024, hidden_size=64, intermediate_size=256,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
     "tiny": dict(max_position_embeddings=1024, hidden_size=256, intermediate_size=1024,
                  num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2),
     "article": dict(max_position_embeddings=2048, hidden_size=768, intermediate_size=3072,

@@ -6,7 +6,7 @@
 Trains the suite's runs (the tests' FAST settings) and prints, for every pair the tests
 compare to rounding, its distance as a multiple of the rounding floor, then the same for the
 mutants the bounds must catch (tests/perturb.py). A bound belongs well above the first kind
-and well below the second. Takes about 5 minutes on 2 cores (compile runs included, except
+and well below the second. Takes about 2 minutes on 2 cores (compile runs included, except
 under ATEN_CPU_CAPABILITY=default, where torch.compile's C++ does not build).
 """
 

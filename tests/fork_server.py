@@ -2,9 +2,12 @@
 script a test launches in a child forked from itself: `python SCRIPT ARGS` without the 6 s of
 CPU (on a 2-core machine) that a new interpreter spends importing them, which is most of what a
 short test run costs. conftest.run_script starts one per test worker, on first use, and sends
-it the launches that a new interpreter would run the same way (no fault injected; in the
-environment the worker started with, give or take the variables read only once a script runs),
-whether `python train_dp.py ...` or tests/torchrun_forked.py (torchrun forking its ranks in turn).
+it the launches that a new interpreter would run the same way (no fault injected into a process
+that may aim it at its launcher; in the environment the worker started with, give or take the
+variables read only once a script runs): `python train_dp.py ...`, tests/torchrun_forked.py
+(torchrun forking its ranks with its own fork start method), or the real torchrun's agent
+(`python -m torch.distributed.run`), whose ranks are forked from it as `python -u SCRIPT`
+(fork_ranks).
 
 What a child does is what `python SCRIPT ARGS` does: the script runs as __main__ (runpy) with
 sys.argv and sys.path[0] as python sets them, in the launch's folder and environment, writing
@@ -33,7 +36,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+import traceback
 import types
+import warnings
 
 
 class ForkServer:
@@ -187,10 +192,95 @@ def run_as_main(module: str | None) -> int:
     return code or 0
 
 
+class ForkedRank:
+    """What torchrun's agent uses of a rank's subprocess.Popen, for a rank forked from the agent."""
+
+    def __init__(self, pid: int, args: list[str]):
+        self.pid, self.args, self.returncode = pid, args, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if timeout is not None:
+                pidfd = os.pidfd_open(self.pid)  # readable once the process has ended
+                try:
+                    if not select.select([pidfd], [], [], timeout)[0]:
+                        raise subprocess.TimeoutExpired(self.args, timeout)
+                finally:
+                    os.close(pidfd)
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, sig: int):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+def fork_ranks():
+    """In a child that is torchrun's agent (`python -m torch.distributed.run`): each rank it
+    starts as `python -u SCRIPT ARGS` is forked from the agent instead, which imported torch
+    already, and becomes that launch as become() makes any other: in a session of its own (as
+    torchrun's Popen starts it), with a new interpreter's signal handlers, not the agent's
+    (torchrun's, which would turn a SIGTERM into an exception). Everything else of the agent, torchrun's own code, runs as it
+    does for a user: the rendezvous, the rank's environment, its monitoring, restarts and
+    signals, and the exit status it reads. (A rank runs the exit functions registered before it
+    was forked, as any child here does: the agent registers none of its own.) A launch it starts
+    otherwise (numactl, PYTHON_EXEC) is started as torchrun starts it."""
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import \
+            SubprocessHandler
+    except ImportError:  # a torch without it: every rank starts anew
+        return
+    popen = SubprocessHandler._popen
+    fresh_signals = {sig: signal.getsignal(sig) for sig in signal.valid_signals()}  # the server's: python's own
+
+    def _popen(handler, args, env):
+        if tuple(args[:2]) != (sys.executable, "-u"):
+            return popen(handler, args, env)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # or what is buffered here would be written twice
+        fds = [os.dup(f.fileno() if f else target) for f, target in ((handler._stdout, 1), (handler._stderr, 2))]
+        with warnings.catch_warnings():  # Python 3.12 warns that the agent has threads; the child uses none of theirs
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid:
+            for fd in fds:
+                os.close(fd)
+            return ForkedRank(pid, list(args))
+        code = 1
+        try:
+            for sig, disposition in fresh_signals.items():
+                if disposition is not None and signal.getsignal(sig) != disposition:
+                    signal.signal(sig, disposition)
+            module = become({"argv": list(args[2:]), "cwd": os.getcwd(), "env": env, "unbuffered": True}, fds)
+            code = run_as_main(module)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+
+    SubprocessHandler._popen = _popen
+
+
 if __name__ == "__main__":
     # What every launch imports, imported once, here: torchrun_forked.py's list (torch, datasets,
     # tokenizers, the compiler, DCP, FSDP, torchrun). Ours (data, model, training) is left to each
     # child, as the script's own imports: a wrapper may patch them first.
     import torchrun_forked  # noqa: F401
     module = serve(socket.socket(fileno=int(sys.argv[1])))
+    if module == "torch.distributed.run":
+        fork_ranks()
     os._exit(run_as_main(module))  # in the child

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import (FAST, FAST_WITH_TOKENIZER, REPO, assert_same_weights, launch_env, run_script, script_in_process,
+from conftest import (FAST, FAST_WITH_TOKENIZER, MODEL, REPO, assert_same_weights, launch_env, run_script, script_in_process,
                       train)
 from training import config
 from training.config import TrainConfig
@@ -70,7 +70,7 @@ def check_refused(script, args, out_dir, message, nproc=0):
 FRESH_RUN_CASES = [
     ("batch-not-divisible", "train_ddp.py", ["--grad-accum", "3"], "not divisible by world size 1 x --grad-accum 3"),
     ("batch-not-divisible-dp", "train_dp.py", ["--batch-size", "10", "--grad-accum", "4"], "not divisible"),
-    ("seq-len-above-positions", "train_dp.py", ["--seq-len", "4096"], "exceeds the tiny model's 1024 positions"),
+    ("seq-len-above-positions", "train_dp.py", ["--seq-len", "4096"], "exceeds the debug model's 1024 positions"),
     ("missing-dataset", "train_dp.py", ["--dataset", "no/such/file.txt"], "not found: no/such/file.txt"),
     ("empty-dataset", "train_dp.py", ["--dataset", "{empty}"], "has no non-empty documents"),
     ("unknown-text-column", "train_ddp.py", ["--dataset", "{jsonl}", "--text-column", "body"],
@@ -131,7 +131,7 @@ def test_bad_invocation_of_a_new_run(tmp_path, corpus, plain_tokenizer, case, sc
 
 RESUME_CASES = [
     ("different-model", ["--resume", "--model", "article", "--seq-len", "32"],
-     "--model was 'tiny' in the checkpoint's run, now 'article'"),
+     "--model was 'debug' in the checkpoint's run, now 'article'"),
     ("different-seq-len", ["--resume", "--seq-len", "64"], "--seq-len was 32 in the checkpoint's run, now 64"),
     ("different-batch", ["--resume", "--batch-size", "16"], "--batch-size was 8 in the checkpoint's run, now 16"),
     ("different-lr", ["--resume", "--lr", "0.002"], "--lr was 0.001"),
@@ -279,7 +279,7 @@ BAD_FLAGS = [
     ("--vocab-size", "100", "--vocab-size must be at least 259"),
     ("--model", "huge", "argument --model: invalid choice: 'huge'"),
     ("--dtype", "fp16", "argument --dtype: invalid choice: 'fp16'"),
-    ("--seq-len", "2048", "exceeds the tiny model's 1024 positions"),
+    ("--seq-len", "2048", "exceeds the debug model's 1024 positions"),
     ("--dataset", "{missing}", "dataset file or folder not found"),
     ("--dataset", "{garbage_parquet}", "Parquet magic bytes not found"),
     ("--dataset", "{bad_jsonl}", "JSON parse error"),
@@ -520,13 +520,13 @@ def test_a_checkpoint_of_clipped_documents_is_refused(finished_run, corpus, tmp_
 
 @pytest.mark.parametrize("extra, message", [
     (["--model", "article"], "its weights do not fit --model article with its 300-token vocabulary: "
-                             "base_model.embed_tokens.weight is (300, 256) there, (300, 768) here"),
+                             "base_model.embed_tokens.weight is (300, 64) there, (300, 768) here"),
     (["--vocab-size", "512"], "--vocab-size 512: the weights of --init-from were trained with 300 tokens"),
     (["--tokenizer", "{tokenizer}"], "--init-from brings its own tokenizer"),
 ])
 def test_init_from_refuses_weights_that_do_not_fit_and_flags_that_contradict_it(finished_run, corpus, tmp_path,
                                                                                  extra, message, capsys):
-    fast = [a for a in FAST if a not in ("--vocab-size", "300")]
+    fast = FAST_WITH_TOKENIZER
     extra = [str(finished_run / "tokenizer.json") if a == "{tokenizer}" else a for a in extra]
     refused_in_process("train_dp.py", ["--dataset", str(corpus), *fast, "--init-from", str(finished_run), *extra],
                        tmp_path / "new", message, capsys)
@@ -535,7 +535,7 @@ def test_init_from_refuses_weights_that_do_not_fit_and_flags_that_contradict_it(
 def test_init_from_takes_a_vocab_size_that_is_the_weights_own(finished_run, corpus):
     """A job script that always passes --vocab-size, reused with --init-from a run of that vocabulary."""
     from training import config
-    fast = [a for a in FAST if a not in ("--vocab-size", "300")]
+    fast = FAST_WITH_TOKENIZER
     cfg = config.parse_args(["--dataset", str(corpus), *fast, "--init-from", str(finished_run), "--vocab-size",
                                "300"])
     assert cfg.tokenizer == str(finished_run / "tokenizer.json") and cfg.vocab_size is None
@@ -547,7 +547,7 @@ def test_a_run_started_from_weights_resumes_as_its_stop_message_says(runs, finis
     whose vocabulary no --vocab-size gave), with or without the --init-from of its job script,
     and ends where the same run never stopped ends."""
     from test_training import warm_started
-    fast = [a for a in FAST if a not in ("--vocab-size", "300")]
+    fast = FAST_WITH_TOKENIZER
     args = ["--dataset", str(corpus), *fast]
     straight, half = warm_started(runs), runs.copy(warm_started(runs, "--stop-at-step", "4"), tmp_path / "half")
     again = [str(finished_run) if a == "{source}" else a for a in again]
@@ -573,7 +573,7 @@ def test_a_text_flag_given_empty_is_refused_not_taken_as_absent(name, value):
 
 
 def test_init_from_a_folder_without_weights_is_refused(corpus, tmp_path, capsys):
-    fast = [a for a in FAST if a not in ("--vocab-size", "300")]
+    fast = FAST_WITH_TOKENIZER
     (tmp_path / "empty").mkdir()
     refused_in_process("train_dp.py", ["--dataset", str(corpus), *fast, "--init-from", str(tmp_path / "empty")],
                        tmp_path / "new", "not an output folder, a .pt file of one, or a train_fsdp.py", capsys)
@@ -584,7 +584,7 @@ def test_init_from_a_folder_whose_tokenizer_was_edited_is_refused(finished_run, 
     that reads its data wrong."""
     source = shutil.copytree(finished_run, tmp_path / "source")
     swap_special_token_ids(source / "tokenizer.json")
-    fast = [a for a in FAST if a not in ("--vocab-size", "300")]
+    fast = FAST_WITH_TOKENIZER
     refused_in_process("train_dp.py", ["--dataset", str(corpus), *fast, "--init-from", str(source)], tmp_path / "new",
                        f"{source / 'tokenizer.json'} is not the tokenizer its run was trained with", capsys)
 
@@ -592,7 +592,7 @@ def test_init_from_a_folder_whose_tokenizer_was_edited_is_refused(finished_run, 
 def test_init_from_is_ignored_with_a_warning_when_a_job_resumes(finished_run, corpus, capsys):
     """A job resubmitted with its arguments plus --resume: the checkpoint's weights win."""
     from training import config
-    fast = [a for a in FAST if a not in ("--vocab-size", "300")]
+    fast = FAST_WITH_TOKENIZER
     cfg = config.parse_args(["--dataset", str(corpus), *fast, "--init-from", str(finished_run), "--resume"])
     assert cfg.init_from is None and cfg.tokenizer is None
     assert capsys.readouterr().err == (f"warning: --init-from {finished_run} is ignored: --resume continues the run "
@@ -619,7 +619,7 @@ def weights_folder(finished_run, folder, change=None, **save_options):
 def test_init_from_weights_that_no_run_can_start_from_is_refused_before_anything_is_written(
         finished_run, corpus, tmp_path, capsys, change):
     source = weights_folder(finished_run, tmp_path / "source", change)
-    fast = [a for a in FAST if a not in ("--vocab-size", "300")]
+    fast = FAST_WITH_TOKENIZER
     out = tmp_path / "new"
     out.mkdir()
     refused_in_process("train_dp.py", ["--dataset", str(corpus), *fast, "--init-from", str(source)], out,
@@ -635,17 +635,17 @@ def test_init_from_a_sharded_checkpoint_whose_weights_are_not_finite_is_refused_
     from training import build, config, sharded_checkpoint
     from test_fsdp import fsdp_two_ranks
     source = shutil.copytree(fsdp_two_ranks(runs), tmp_path / "source") / "checkpoint-00000008"
-    model = build.model(config.parse_args(["--vocab-size", "300", "--seq-len", "32"]), 300, torch.float32)
+    model = build.model(config.parse_args(["--model", MODEL, "--vocab-size", "300", "--seq-len", "32"]), 300,
+                        torch.float32)
     sharded_checkpoint.load_model(source, model)
     with torch.no_grad():
         model.base_model.norm.weight[3] = float("nan")
     for f in [*source.glob("*.distcp"), source / ".metadata"]:
         f.unlink()
     dcp.save({"model": model.state_dict()}, checkpoint_id=source, no_dist=True)
-    fast = [a for a in FAST if a not in ("--vocab-size", "300")]
     out = tmp_path / "new"
     out.mkdir()
-    refused_in_process("train_dp.py", ["--dataset", str(runs.corpus), *fast, "--init-from", str(source)], out,
+    refused_in_process("train_dp.py", ["--dataset", str(runs.corpus), *FAST_WITH_TOKENIZER, "--init-from", str(source)], out,
                        f"--init-from {source}: its weights are not all finite (NaN or inf)", capsys)
 
 
@@ -663,7 +663,7 @@ def test_init_from_a_hugging_face_export_names_what_to_give_instead(corpus, tmp_
     export.mkdir()
     (export / "config.json").write_text("{}")
     (export / "model.safetensors").write_bytes(b"")
-    fast = [a for a in FAST if a not in ("--vocab-size", "300")]
+    fast = FAST_WITH_TOKENIZER
     refused_in_process("train_dp.py", ["--dataset", str(corpus), *fast, "--init-from", str(export)], tmp_path / "new",
                        "is a Hugging Face export (export_hf.py): give the output folder it was exported from", capsys)
 

@@ -109,7 +109,7 @@ def test_a_config_that_does_not_fit_the_sharded_weights_is_refused_before_the_mo
     config_asking_for(out, intermediate_size=2**30)
     with pytest.raises(UsageError, match=re.escape(
             f"the weights in {out} do not fit its config.json: base_model.layers.0.mlp.gate_proj.weight is "
-            "(1,024, 256) in the weights, (1,073,741,824, 256) by config.json")):
+            "(256, 64) in the weights, (1,073,741,824, 64) by config.json")):
         export_hf.main([str(out), str(tmp_path / "hf")])
     assert not (tmp_path / "hf").exists()
 

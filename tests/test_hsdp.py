@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks import bench_network
-from conftest import FAST, assert_same_model, assert_same_weights, metrics, run_script, spied, train
+from conftest import FAST, MODEL, assert_same_model, assert_same_weights, metrics, run_script, spied, train
 from model import PRESETS, LlamaForPretraining
 from test_bad_inputs import refused_in_process
 from training import run_folder
@@ -43,7 +43,7 @@ def test_the_replicas_all_reduce_once_a_step_however_many_micro_steps_it_accumul
     of 2 micro-steps, not 16. Those are the bytes benchmarks/bench_network.py counts as HSDP's
     on the network: the fp32 shard of every weight, once a step. Without --replicas there is
     no such group at all."""
-    groups = PRESETS["tiny"]["num_hidden_layers"] + 2
+    groups = PRESETS[MODEL]["num_hidden_layers"] + 2
     out, spies = hsdp(runs, 2)
     assert [spy["all_reduces"].get("2", 0) for spy in spies] == [8 * groups] * 4
     config, _ = run_folder.read_config(out)

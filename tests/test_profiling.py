@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (FAST, REPO, ddp_two_ranks, metrics, run_script, script_in_process, stopped_at_step_4,
+from conftest import (FAST, MODEL, REPO, ddp_two_ranks, metrics, run_script, script_in_process, stopped_at_step_4,
                       without_speed)
 from model import PRESETS
 from test_bad_inputs import refused_in_process, snapshot
@@ -25,7 +25,11 @@ from tools import draw_trace, trace_summary
 from training import profiling
 
 PROFILE = ["--profile", "--profile-warmup", "2", "--profile-steps", "2", "--grad-accum", "2"]
-GROUPS = PRESETS["tiny"]["num_hidden_layers"] + 2  # FSDP's: each layer, the embedding, the norm with the LM head
+# DDP's first bucket holds 1 MB of gradients (the last layers'), sent as soon as backward has
+# filled it: `tiny` has 16 MB. The debug model's 0.6 MB would fill one bucket, sent only when
+# backward is done, and there would be no overlap for the test to find.
+DDP_PROFILE = [*PROFILE, "--model", "tiny"]
+GROUPS = PRESETS[MODEL]["num_hidden_layers"] + 2  # FSDP's: each layer, the embedding, the norm with the LM head
 
 
 def traces(out):
@@ -33,7 +37,7 @@ def traces(out):
 
 
 def test_ddp_traces_every_rank_and_all_reduces_gradients_during_the_last_backward_only(runs):
-    out = runs("ddp2_profiled", "train_ddp.py", PROFILE, nproc=2)
+    out = runs("ddp2_profiled", "train_ddp.py", DDP_PROFILE, nproc=2)
     assert [p.name for p in traces(out)] == ["rank0.steps3-4.pt.trace.json", "rank1.steps3-4.pt.trace.json"]
     for trace in traces(out):
         assert "traceEvents" in json.loads(trace.read_text())  # Chrome's trace format
@@ -68,7 +72,7 @@ def test_fsdp_gathers_each_layer_before_it_runs_and_reduce_scatters_it_in_backwa
                 assert count("all-gather", f"backward {i}") == GROUPS - 1
                 assert count("reduce-scatter", f"backward {i}", f"after backward {i}") == GROUPS  # the last: once done
         events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
-        for name in [f"base_model.layers.{i}" for i in range(PRESETS["tiny"]["num_hidden_layers"])]:
+        for name in [f"base_model.layers.{i}" for i in range(PRESETS[MODEL]["num_hidden_layers"])]:
             gathers = sorted(e["ts"] + e["dur"] for e in events if e["name"] == f"FSDP::all_gather ({name})")
             forwards = sorted(e["ts"] for e in events if e["name"] == f"FSDP::post_forward ({name})")
             # every forward of the layer (2 micro-steps a step, and evaluation's) gathers it anew first
@@ -95,7 +99,7 @@ def test_one_process_traces_its_steps_with_no_collective(runs, tmp_path, capsys)
     assert [row["step"] for row in metrics(out) if "loss" in row] == [2, 4, 6, 8]  # and trained on as always
     picture = tmp_path / "step.png"
     assert script_in_process("tools/draw_trace.py", [*map(str, traces(runs("ddp2_profiled", "train_ddp.py",
-                                                                             PROFILE, nproc=2))), str(trace),
+                                                                             DDP_PROFILE, nproc=2))), str(trace),
                                                      "-o", str(picture)]) == 0
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert draw_trace.label(trace) == "dp_profiled, rank 0"

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import data
-from conftest import (FAST, FAST_WITH_TOKENIZER, FLOOR_MULTIPLE, assert_same_model, assert_same_weights, ddp_two_ranks,
-                      load_weights, max_weight_diff, metrics, run_in_process, run_script, script_in_process, spied,
+from conftest import (FAST, FAST_WITH_TOKENIZER, FLOOR_MULTIPLE, assert_learns, assert_same_model, assert_same_weights,
+                      ddp_two_ranks, load_weights, max_weight_diff, metrics, run_in_process, run_script, script_in_process, spied,
                       stopped_at_step_4, train)
 from model import IGNORE_INDEX, LlamaForPretraining
 from training import build, config, corpus, launch, pt_checkpoint, resume, run_data, turns, weights
@@ -261,9 +261,9 @@ def test_weight_decay_applies_to_matrices_and_embeddings_not_to_norm_gains(corpu
     decays = {name: group_of[id(p)] for name, p in model.named_parameters()}
     assert len(decays) == len(list(model.parameters()))  # every parameter in exactly one group
     assert decays["base_model.embed_tokens.weight"] == decays["lm_head.weight"] == 0.1
-    assert decays["base_model.layers.0.self_attn.q_proj.weight"] == decays["base_model.layers.3.mlp.down_proj.weight"] == 0.1
+    assert decays["base_model.layers.0.self_attn.q_proj.weight"] == decays["base_model.layers.1.mlp.down_proj.weight"] == 0.1
     norms = [name for name in decays if "norm" in name]
-    assert len(norms) == 2 * 4 + 1 and all(decays[name] == 0.0 for name in norms)
+    assert len(norms) == 2 * model.config.num_hidden_layers + 1 and all(decays[name] == 0.0 for name in norms)
 
 
 def test_gradient_clipping_clips_the_global_norm(corpus, tmp_path, monkeypatch):
@@ -408,7 +408,7 @@ def test_a_resumed_rank_keeps_no_copy_of_the_checkpoint_and_lets_its_file_go(run
 
 # ---- warm starts: --init-from -------------------------------------------------------------
 
-WARM = [a for a in FAST if a not in ("--vocab-size", "300")]  # --init-from brings its own tokenizer
+WARM = FAST_WITH_TOKENIZER  # --init-from brings its own tokenizer
 
 
 def warm_started(runs, *extra):
@@ -427,8 +427,9 @@ def test_init_from_starts_a_new_run_at_the_trained_weights_with_a_fresh_schedule
     start = build.model(cfg, 300, torch.float32).state_dict()
     assert all(torch.equal(start[k], v) for k, v in load_weights(first).items())
     before, after = ([row for row in metrics(run) if "loss" in row] for run in (first, warm))
+    assert_learns(before)
     learned = before[0]["loss"] - before[-1]["loss"]
-    assert learned > 1 and abs(after[0]["loss"] - before[-1]["loss"]) < learned / 4
+    assert abs(after[0]["loss"] - before[-1]["loss"]) < learned / 4
     assert [row["lr"] for row in after] == [row["lr"] for row in before]  # the schedule from its start
     assert (warm / "tokenizer.json").read_text() == (first / "tokenizer.json").read_text()
 

@@ -265,8 +265,8 @@ def test_a_config_that_does_not_fit_the_weights_is_refused_before_the_model_is_a
         (out / "model.pt").unlink()
     config_asking_for(out, vocab_size=2**30)
     with pytest.raises(UsageError, match=re.escape(
-            f"the weights in {out} do not fit its config.json: base_model.embed_tokens.weight is (300, 256) in "
-            "the weights, (1,073,741,824, 256) by config.json")):
+            f"the weights in {out} do not fit its config.json: base_model.embed_tokens.weight is (300, 64) in "
+            "the weights, (1,073,741,824, 64) by config.json")):
         generate.main([str(out)])
 
 

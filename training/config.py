@@ -127,8 +127,10 @@ class TrainConfig:
 
 
 # Defaults that depend on --model. `article` is the article's recipe (README.md); `tiny` is the demo
-# that runs with no arguments and finishes in a few minutes on a 2-core CPU.
+# that runs with no arguments and finishes in a few minutes on a 2-core CPU; `debug` a minute's run.
 TRAINING_PRESETS = {
+    "debug": dict(vocab_size=4096, seq_len=128, batch_size=16, max_steps=50, warmup_steps=5,
+                  save_every=25, eval_every=25),
     "tiny": dict(vocab_size=4096, seq_len=128, batch_size=16, max_steps=250, warmup_steps=25,
                  save_every=100, eval_every=50),
     "article": dict(vocab_size=50000, seq_len=512, batch_size=64, max_steps=None, warmup_steps=1000,
