@@ -31,7 +31,14 @@ def evaluate(model, loader, device) -> torch.Tensor:
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.profiler.record_function(EVALUATION_MARK):  # --profile: its forwards are no training step's
         for batch in loader:
-            loss_sum, n_tokens = model(*on_device(batch, device))
+            inputs = on_device(batch, device)
+            for t in inputs:
+                if t.dim() == 2:  # rows x positions
+                    # Compiled (--compile), the number of rows is left dynamic: the first batch's
+                    # graph serves the last, smaller one too, instead of a second compile. No
+                    # effect uncompiled.
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            loss_sum, n_tokens = model(*inputs)
             totals += torch.stack([loss_sum.sum(), n_tokens.sum()])
     model.train()
     return totals
