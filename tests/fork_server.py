@@ -234,11 +234,12 @@ def fork_ranks():
     starts as `python -u SCRIPT ARGS` is forked from the agent instead, which imported torch
     already, and becomes that launch as become() makes any other: in a session of its own (as
     torchrun's Popen starts it), with a new interpreter's signal handlers, not the agent's
-    (torchrun's, which would turn a SIGTERM into an exception). Everything else of the agent, torchrun's own code, runs as it
-    does for a user: the rendezvous, the rank's environment, its monitoring, restarts and
-    signals, and the exit status it reads. (A rank runs the exit functions registered before it
-    was forked, as any child here does: the agent registers none of its own.) A launch it starts
-    otherwise (numactl, PYTHON_EXEC) is started as torchrun starts it."""
+    (torchrun's, which would turn a SIGTERM into an exception). Everything else of the agent,
+    torchrun's own code, runs as it does for a user: the rendezvous, the rank's environment,
+    its monitoring, restarts and signals, and the exit status it reads. (A rank runs the exit
+    functions registered before it was forked, as any child here does: the agent registers none
+    of its own.) A launch it starts otherwise (numactl, PYTHON_EXEC) is started as torchrun
+    starts it."""
     try:
         from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import \
             SubprocessHandler

@@ -84,7 +84,8 @@ with open(os.path.join(sys.argv[1], "rank" + rank), "w") as f:
     f.write(str("torch" in sys.modules))  # imported already: forked from the agent, which has it
 say = lambda line: sys.stdout.write(line + "\\n")  # one write: the ranks share the pipe
 say(f"rank {rank} of {os.environ['WORLD_SIZE']} argv {sys.argv[2:]} path {sys.path[0]} leads its session "
-    f"{os.getsid(0) == os.getpid()} SIGTERM {signal.getsignal(signal.SIGTERM)} SIGINT {signal.getsignal(signal.SIGINT)}")
+    f"{os.getsid(0) == os.getpid()} SIGTERM {signal.getsignal(signal.SIGTERM)} "
+    f"SIGINT {signal.getsignal(signal.SIGINT)}")
 atexit.register(say, f"rank {rank}: atexit ran")
 if how == "SIGTERM":  # rank 1 ends by the signal; torchrun then ends rank 0, which waits, with its own
     if rank == "1":

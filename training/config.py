@@ -127,7 +127,8 @@ class TrainConfig:
 
 
 # Defaults that depend on --model. `article` is the article's recipe (README.md); `tiny` is the demo
-# that runs with no arguments and finishes in a few minutes on a 2-core CPU; `debug` a minute's run.
+# that runs with no arguments and finishes in a few minutes on a 2-core CPU; `debug` a short run
+# to try a setup (the tests train it).
 TRAINING_PRESETS = {
     "debug": dict(vocab_size=4096, seq_len=128, batch_size=16, max_steps=50, warmup_steps=5,
                   save_every=25, eval_every=25),
