@@ -100,6 +100,7 @@ def main():
     val_loader = evaluation.val_loader(val_ds, rank, world_size, micro_batch, same_length=True)  # FSDP: see there
     writer = sharded_checkpoint.ShardedCheckpointWriter(cfg.out_dir, cfg.keep_checkpoints, cfg.timeout_minutes)
     stop = stopping.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
+    divergence = stopping.Divergence(cfg, tokenizer.get_vocab_size())  # real jobs: stops a run gone bad
     if is_main:
         print(metrics.describe(raw_model, train_ds, steps_per_epoch, total_steps, micro_batch, cfg, device, dtype))
 
@@ -111,7 +112,7 @@ def main():
     speedometer = metrics.Speedometer(cfg, raw_model.flops_per_token(cfg.seq_len), peak, device,
                                       tokens_seen=train_ds.targets_before(step, cfg.batch_size, cfg.seed))
     batches, preempted, started = None, False, time.perf_counter()
-    first_step, loss, val_loss = step, None, None  # for the summary at the end
+    first_step = step  # for the summary at the end
     while step < last_step:
         profiler.begin(step + 1)  # --profile: traces a few steps; without it, nothing
         epoch, step_in_epoch = divmod(step, steps_per_epoch)
@@ -155,7 +156,7 @@ def main():
             dist.all_reduce(train_totals[:1])  # loss sums of every rank (the counts are global already)
             loss = (train_totals[0] / train_totals[1]).item()  # token-weighted mean since last log
             norm = grad_norm.item()  # this step's
-            stopping.stop_if_diverged(step, cfg, loss, norm, vocab_size=tokenizer.get_vocab_size())  # real jobs
+            divergence.check(step, loss, norm)  # real jobs: a loss or norm gone bad stops the run
             row = speedometer.row(step, epoch, loss, lr, norm, nonpad_tokens=train_totals[1].item())
             log.write(row)  # to metrics.jsonl, and TensorBoard and W&B if asked for
             pbar.set_postfix(metrics.progress(row))
@@ -165,7 +166,7 @@ def main():
         # saving, evaluating and writing a trace (--profile) do not count as training time
         with speedometer.paused(saving or evaluating or profiler.writes_after(step)):
             if saving:
-                stopping.stop_if_diverged(step, cfg, model=raw_model)  # real jobs: on every rank, before saving
+                divergence.check_weights(step, raw_model)  # real jobs: on every rank, before saving
                 # FSDP: the check above all-reduces (the weights are shards), and every rank writes its
                 # own shards, from a background thread after a copy in memory; no rank gathers the whole state
                 writer.save(raw_model, optimizer, checkpoint.run_state(raw_model, scheduler, cfg, step, train_ds))
@@ -191,7 +192,7 @@ def main():
             run_folder.save_model(cfg.out_dir, full_state)
         trained = speedometer.trained + round(train_totals[1].item())  # and the steps since the last log
         seconds = time.perf_counter() - started - profiler.writing_seconds  # writing a trace is not training
-        print(metrics.summary(cfg, step, total_steps, first_step, trained, seconds, loss, val_loss, preempted,
+        print(metrics.summary(cfg, step, total_steps, first_step, trained, seconds, log.latest, preempted,
                               writer.checkpoint_at(step)))
     log.close()  # the trackers' last writes (a W&B upload), once no rank waits for this one
     dist.destroy_process_group()

@@ -2,6 +2,7 @@
 
     python tests/calibrate_tolerances.py /tmp/calibration            # this CPU's kernels
     ATEN_CPU_CAPABILITY=default python tests/calibrate_tolerances.py /tmp/calibration-default
+    ONEDNN_MAX_CPU_ISA=AVX2 python tests/calibrate_tolerances.py /tmp/calibration-avx2  # oneDNN's bf16 kernels
 
 Trains the suite's runs (the tests' FAST settings) and prints, for every pair the tests
 compare to rounding, its distance as a multiple of the rounding floor, then the same for the
@@ -57,9 +58,10 @@ report("MUTANT LR schedule one step ahead", run("m_lr", "train_dp.py", perturb="
 report("MUTANT each rank's own mean (DDP)", run("m_rank", "train_ddp.py", nproc=2, perturb="per-rank-mean"), dp, floor)
 
 bf16 = run("dp_bf16", "train_dp.py", BF16)
-bf16_floor = measure_floor(bf16, run("dp_bf16_reversed", "train_dp.py", BF16, perturb="reverse-batches"))
-print(f"bf16 floor: losses {bf16_floor.loss:.2e} (relative; weights are not compared in bf16)")
 dp_short = run("dp_short", "train_dp.py", FP32_LIKE_BF16)
+bf16_floor = measure_floor(dp_short, run("dp_short_bf16_weights", "train_dp.py", FP32_LIKE_BF16,
+                                       perturb="bf16-weights"))
+print(f"bf16 floor: losses {bf16_floor.loss:.2e} (relative; weights are not compared in bf16)")
 report("bf16 vs fp32", bf16, dp_short, bf16_floor, weights=False)
 fsdp1_bf16 = run("fsdp1_bf16", "train_fsdp.py", BF16)
 report("FSDP(2) bf16 vs FSDP(1) bf16", run("fsdp2_bf16", "train_fsdp.py", BF16, nproc=2), fsdp1_bf16, bf16_floor,

@@ -154,19 +154,19 @@ if "diverge-mid-save" in faults and armed:
     from training import stopping
 
     diverged = threading.Event()
-    real_stop_if_diverged, real_write_data = stopping.stop_if_diverged, FileSystemWriter.write_data
+    real_check, real_write_data = stopping.Divergence.check, FileSystemWriter.write_data
 
-    def nan_at_step(step, cfg, loss=None, grad_norm=None, model=None, vocab_size=None):
-        if step == at_step and loss is not None:
+    def nan_at_step(self, step, loss, grad_norm):
+        if step == at_step:
             diverged.set()  # the UsageError is on its way
             loss = float("nan")
-        return real_stop_if_diverged(step, cfg, loss, grad_norm, model, vocab_size)
+        return real_check(self, step, loss, grad_norm)
 
     def write_after_divergence(self, *args, **kwargs):
         diverged.wait()
         return real_write_data(self, *args, **kwargs)
 
-    patch(stopping, "stop_if_diverged", nan_at_step)
+    patch(stopping.Divergence, "check", nan_at_step)
     patch(FileSystemWriter, "write_data", write_after_divergence)
 
 if "small-memory" in faults and armed:

@@ -9,6 +9,9 @@ it in this process (the tests' in-process runs); as a script, it runs a training
                       every logit at once, then F.cross_entropy. The reference the chunks
                       must train the same model as.
     small-chunks      the chunked loss in chunks of 7 tokens: many a micro-batch, the last short
+    bf16-weights      the initial weights rounded to bf16 (and kept in fp32): what bf16 does to
+                      the weights, alone, in fp32 arithmetic. Its distance from the plain run
+                      is the bf16 floor: bf16's own rounding, the same on every CPU.
 The others are mutants: bugs that a bound taken from that floor must catch.
     lr-off-by-one     the schedule one step ahead: step s trains with the LR of step s+1
     drop-micro-batch  the second micro-batch of step 3 never trains (use with --grad-accum 2)
@@ -48,6 +51,7 @@ def perturbed(perturbation: str):
     real_next_micro_batches, real_make_optimizer, real_all_reduce = (
         ReadAhead.__next__, build.optimizer, dist.all_reduce)
     real_head, real_chunk_tokens = LlamaLMHead.forward, chunked_loss.chunk_tokens
+    real_init_weights = build.init_weights
     calls = []
 
     def reversed_micro_batches(*args, **kwargs):
@@ -69,6 +73,12 @@ def perturbed(perturbation: str):
             return None
         return real_all_reduce(tensor, *args, **kwargs)
 
+    @torch.no_grad()
+    def rounded_to_bf16(model, cfg):
+        real_init_weights(model, cfg)
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16))
+
     if perturbation == "reverse-batches":
         ReadAhead.__next__ = reversed_micro_batches
     elif perturbation == "drop-micro-batch":
@@ -81,6 +91,8 @@ def perturbed(perturbation: str):
         LlamaLMHead.forward = full_logits_head
     elif perturbation == "small-chunks":
         chunked_loss.chunk_tokens = lambda vocab_size, device: 7
+    elif perturbation == "bf16-weights":
+        build.init_weights = rounded_to_bf16
     else:
         raise ValueError(f"unknown perturbation {perturbation!r}")
     try:
@@ -89,6 +101,7 @@ def perturbed(perturbation: str):
         ReadAhead.__next__, build.optimizer, dist.all_reduce = (
             real_next_micro_batches, real_make_optimizer, real_all_reduce)
         LlamaLMHead.forward, chunked_loss.chunk_tokens = real_head, real_chunk_tokens
+        build.init_weights = real_init_weights
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import (BF16, FAST, FP32_LIKE_BF16, REPO, assert_follows_in_bf16, assert_learns, assert_same_model, load_weights,
-                      metrics, script_in_process, spied, train)
+from conftest import (BF16, BF16_MULTIPLE, FAST, FP32_LIKE_BF16, REPO, assert_follows_in_bf16, assert_learns,
+                      assert_same_model, load_weights, loss_distance, metrics, script_in_process, spied, train)
 from model import LlamaConfig, LlamaForPretraining
 from training import config, launch, weights
 from training.errors import UsageError
@@ -172,6 +172,16 @@ def test_bf16_trains_like_fp32(runs, bf16_floor):
     assert spy[0]["matmul_dtypes"] == ["bfloat16"]  # every Linear computed in bf16: the flag took effect
     assert_follows_in_bf16(bf16, runs("dp_short", "train_dp.py", FP32_LIKE_BF16), bf16_floor)  # it follows fp32
     assert all(w.dtype == torch.float32 for w in load_weights(bf16).values())  # fp32 master weights
+
+
+def test_the_bf16_bound_catches_a_dropped_micro_batch(runs, bf16_floor):
+    """The nearest bug the bf16 bound was calibrated against (conftest.BF16_MULTIPLE): one
+    micro-batch of 16 never trains, in bf16. Its losses land beyond the bound, which the
+    floor's kind makes the same on every CPU: bf16's own rounding, not a kernel's order."""
+    dropped = runs("dp_bf16_accum2_one_dropped", "train_dp.py", [*BF16, "--grad-accum", "2"],
+                   perturb="drop-micro-batch")
+    distance = loss_distance(dropped, runs("dp_short", "train_dp.py", FP32_LIKE_BF16))
+    assert distance > 3 * BF16_MULTIPLE * bf16_floor.loss, distance / bf16_floor.loss
 
 
 @pytest.mark.compile

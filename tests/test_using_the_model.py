@@ -451,18 +451,30 @@ def test_a_finished_run_ends_with_a_summary_of_steps_tokens_losses_and_files(run
 def test_the_summary_counts_only_the_steps_of_this_session():
     cfg = config.TrainConfig(out_dir="out", batch_size=64, seq_len=512)
     text = metrics.summary(cfg, step=3000, total_steps=10000, first_step=1000, trained=49_000_000, seconds=3725.4,
-                           loss=3.25, val_loss=None, preempted=True, checkpoint=Path("out/checkpoint.pt"))
+                           latest={"loss": (3000, 3.25)}, preempted=True, checkpoint=Path("out/checkpoint.pt"))
     assert text.splitlines() == [
         "stopped by a signal after step 3000 of 10000: 49,000,000 tokens (65,536,000 positions with padding) in "
         "1:02:05 | train loss 3.2500",
         "checkpoint saved in out/checkpoint.pt; continue with --resume"]
 
 
+def test_a_run_stopped_between_two_logs_names_the_step_of_each_loss_it_reports():
+    """A signal after step 2,047: the train loss was last logged at step 2,040 and the val loss
+    at 2,000. Printed bare, they would read as the stopped model's."""
+    cfg = config.TrainConfig(out_dir="out", batch_size=64, seq_len=512)
+    log = metrics.MetricsLog(cfg, enabled=False)
+    for row in [{"step": 2000, "loss": 3.5}, {"step": 2000, "val_loss": 3.61}, {"step": 2040, "loss": 3.25}]:
+        log.write(row)
+    text = metrics.summary(cfg, step=2047, total_steps=10000, first_step=1000, trained=9_000_000, seconds=600,
+                           latest=log.latest, preempted=True, checkpoint=Path("out/checkpoint.pt"))
+    assert text.splitlines()[0].endswith("in 0:10:00 | train loss 3.2500 at step 2040 | val loss 3.6100 at step 2000")
+
+
 def test_the_summary_quotes_paths_so_its_commands_paste_into_a_shell():
     import shlex
     cfg = config.TrainConfig(out_dir="my runs/ü 1", batch_size=8, seq_len=32, dataset="c.txt")
-    lines = metrics.summary(cfg, step=8, total_steps=8, first_step=0, trained=200, seconds=3.0, loss=1.0, val_loss=1.0,
-                            preempted=False, checkpoint=Path("my runs/ü 1/checkpoint.pt")).splitlines()
+    lines = metrics.summary(cfg, step=8, total_steps=8, first_step=0, trained=200, seconds=3.0,
+                            latest={"loss": (8, 1.0), "val_loss": (8, 1.0)}, preempted=False, checkpoint=Path("my runs/ü 1/checkpoint.pt")).splitlines()
     assert shlex.split(lines[2].split(":", 1)[1]) == ["python", "tools/generate.py", "my runs/ü 1", "--prompt", "The "]
     assert shlex.split(lines[3].split(":", 1)[1]) == ["python", "tools/export_hf.py", "my runs/ü 1", "my runs/ü 1-hf"]
     assert shlex.split(lines[4].split(":", 1)[1]) == ["python", "tools/plot_metrics.py", "my runs/ü 1", "-o",
@@ -476,6 +488,17 @@ def test_a_warmup_as_long_as_the_run_is_warned_about(capsys):
                                        "learning rate is still warming up when the run ends, and never decays\n")
     cfg = config.TrainConfig(warmup_steps=10, max_steps=50, epochs=1)
     assert config.total_steps(cfg, steps_per_epoch=80) == 50 and capsys.readouterr().err == ""
+
+
+def test_max_steps_beyond_the_epochs_is_warned_about_naming_epochs(capsys):
+    """--max-steps 4 where --epochs 3 take 3 steps: the run trains 3 and says which flag ended it."""
+    cfg = config.TrainConfig(warmup_steps=1, max_steps=4, epochs=3)
+    assert config.total_steps(cfg, steps_per_epoch=1) == 3
+    assert capsys.readouterr().err == ("warning: --max-steps 4 is more than --epochs 3 take (3 steps, 1 an epoch): "
+                                       "the run trains 3 steps, its learning rate schedule 3 steps long. Raise "
+                                       "--epochs to train 4\n")
+    cfg = config.TrainConfig(warmup_steps=1, max_steps=3, epochs=3)
+    assert config.total_steps(cfg, steps_per_epoch=1) == 3 and capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

@@ -88,8 +88,9 @@ def use_cuda(cfg) -> bool:
 def compute_dtype(choice: str, device: torch.device) -> torch.dtype:
     """The dtype matmuls run in. bf16 pays where the hardware has bf16 matrix units: GPUs
     from Ampere on (compute capability 8.0), and CPUs with AMX (Xeon Sapphire Rapids and
-    later, where a bf16 matmul runs several times faster than fp32). Elsewhere auto keeps
-    fp32. Older GPUs (V100, T4) only emulate bf16, slowly: there --dtype bf16 is refused."""
+    later: the demo's bf16 steps 1.3x as fast as fp32 on one, docs/benchmarks.md). Elsewhere
+    auto keeps fp32. Older GPUs (V100, T4) only emulate bf16, slowly: there --dtype bf16 is
+    refused."""
     if device.type == "cuda":
         # fp32 matmuls (all of --dtype fp32's, and the few a bf16 step keeps in fp32) on TF32
         # tensor cores: inputs rounded to 10 mantissa bits, products summed in fp32, several

@@ -326,6 +326,7 @@ class MetricsLog:
 
     def __init__(self, cfg: TrainConfig, enabled: bool, resume_step: int = 0, facts: dict | None = None):
         self.sinks = []
+        self.latest = {}  # "loss", "val_loss": (step, value) of the last row that held it, for the summary
         if not enabled:
             return
         out = Path(cfg.out_dir)
@@ -350,6 +351,7 @@ class MetricsLog:
         self.sinks = [JsonlSink(path), *trackers]
 
     def write(self, row: dict):
+        self.latest.update((key, (row["step"], row[key])) for key in ("loss", "val_loss") if key in row)
         for sink in self.sinks:
             sink.write(row)
 
@@ -376,17 +378,20 @@ def describe(model: LlamaForPretraining, train_ds, steps_per_epoch: int, total_s
 
 
 def summary(cfg: TrainConfig, step: int, total_steps: int, first_step: int, trained: int, seconds: float,
-            loss: float | None, val_loss: float | None, preempted: bool, checkpoint: Path) -> str:
+            latest: dict, preempted: bool, checkpoint: Path) -> str:
     """The end-of-run report: how far, how fast, how well, and what to do next (trained: the
-    real tokens this session trained on; checkpoint: the newest checkpoint, which --resume
-    continues from)."""
+    real tokens this session trained on; latest: MetricsLog.latest, the losses this session
+    logged last; checkpoint: the newest checkpoint, which --resume continues from)."""
     out = Path(cfg.out_dir)
     positions = (step - first_step) * cfg.batch_size * cfg.seq_len
     how = "done" if step == total_steps else "stopped by a signal" if preempted else "stopped"
+    losses = ""
+    for key, name in (("loss", "train loss"), ("val_loss", "val loss")):
+        if key in latest:  # a run stopped between two logs or evaluations: the last one, and its step
+            at, value = latest[key]
+            losses += f" | {name} {value:.4f}" + (f" at step {at}" if at != step else "")
     report = [f"{how} after step {step} of {total_steps}: {trained:,} tokens ({positions:,} positions with "
-              f"padding) in {datetime.timedelta(seconds=round(seconds))}"
-              + (f" | train loss {loss:.4f}" if loss is not None else "")
-              + (f" | val loss {val_loss:.4f}" if val_loss is not None else "")]
+              f"padding) in {datetime.timedelta(seconds=round(seconds))}{losses}"]
     if step < total_steps:
         return "\n".join(report + [f"checkpoint saved in {checkpoint}; continue with --resume"])
     prompt = "def " if cfg.dataset == corpus.EMBEDDED_CORPUS else "The "  # the demo corpus is Python code

@@ -229,32 +229,56 @@ def weights_finite(model: torch.nn.Module, optimizer=None) -> bool:
     return bool(finite.item())
 
 
-def stop_if_diverged(step: int, cfg, loss: float | None = None, grad_norm: float | None = None,
-                     model: torch.nn.Module | None = None, vocab_size: int | None = None):
-    """Raise if the logged loss or gradient norm, or any weight about to be saved, is not
-    finite: nothing non-finite reaches metrics.jsonl or a checkpoint, and the older
-    checkpoints stay good. And if the gradient norm is exactly 0: AdamW would do nothing.
-    Every gradient is exactly 0 where the network saturated (each logit so far from the rest
-    that every softmax is exactly one-hot): a diverging run's does, its loss blown up past
-    twice a uniform guess's, ln(vocab_size) (an untrained model's is just above it), or every
-    target then certain, its loss 0. Or where the gradients never reached the weights."""
-    weights_bad = model is not None and not weights_finite(model)
-    logged = {"loss": loss, "gradient norm": grad_norm}
-    bad = [f"{name} is {value}" for name, value in logged.items() if value is not None and not math.isfinite(value)]
-    lower = f"Start again with a lower --lr (was {cfg.lr}) or a longer --warmup-steps (was {cfg.warmup_steps})"
-    if weights_bad or bad:
-        what = "weights are not finite" if weights_bad else bad[0]
-        raise UsageError(f"training diverged: the {what} at step {step}. {lower}")
-    if grad_norm != 0.0:
-        return
-    uniform = math.log(vocab_size) if vocab_size else math.inf  # the loss of a uniform guess over the vocabulary
-    if loss is not None and not 1e-3 < loss <= 2 * uniform:
-        raise UsageError(f"training diverged: the gradients are all exactly 0 at step {step}, the loss at {loss:.4g} "
-                         f"(a uniform guess's: {uniform:.3g}): the network saturated. {lower}")
-    if cfg.compile:
-        raise UsageError(f"every gradient is exactly 0 at step {step}: the model does not train. A compiler bug "
-                         f"does this (torch 2.11 with --compile, pytorch/pytorch#180642): run without --compile, "
-                         f"or with another torch (this is {torch.__version__})")
-    raise UsageError(f"every gradient is exactly 0 at step {step}, with the loss at {loss:.4g}, not rising: the "
-                     "model does not train. The gradients do not reach the weights: a change to the model or its "
-                     "loss (a backward that returns zeros, a detached tensor) does this")
+class Divergence:
+    """Stops a run whose training went bad before it logs or saves anything of it: a loss or
+    gradient norm that is not finite, or weights about to be saved that are not. And a run
+    whose gradient norm is exactly 0, where AdamW would do nothing. Every gradient is exactly 0
+    where the network saturated (each logit so far from the rest that every softmax is exactly
+    one-hot, or the hidden states so large that the norms pass no gradient): a diverging run's
+    does, its loss blown up past twice a uniform guess's, ln(vocab_size) (an untrained model's is
+    just above it), or every target then certain, its loss 0. Or later: --lr 100 took the loss
+    to 6.8 million, then the network settled into a uniform guess, the loss back at ln(V) with
+    every gradient 0 (../shared/fixtures/saturate_corpus.txt); only the losses logged before
+    tell that from a model whose gradients never reached its weights, so the highest one of
+    this session is kept. Every rank makes the same calls with the same (all-reduced) values
+    and reaches the same verdict."""
+
+    def __init__(self, cfg, vocab_size: int):
+        self.cfg = cfg
+        self.uniform = math.log(vocab_size)  # the loss of a uniform guess over the vocabulary
+        self.highest = (-math.inf, 0)  # the highest loss logged in this session, and its step
+
+    def _lower(self) -> str:
+        return (f"Start again with a lower --lr (was {self.cfg.lr}) or a longer --warmup-steps (was "
+                f"{self.cfg.warmup_steps})")
+
+    def check(self, step: int, loss: float, grad_norm: float):
+        """At a logged step: the loss since the last log, and this step's gradient norm."""
+        bad = [f"{name} is {value}" for name, value in (("loss", loss), ("gradient norm", grad_norm))
+               if not math.isfinite(value)]
+        if bad:
+            raise UsageError(f"training diverged: the {bad[0]} at step {step}. {self._lower()}")
+        highest, highest_step = self.highest = max(self.highest, (loss, step))
+        if grad_norm != 0.0:
+            return
+        if not 1e-3 < loss <= 2 * self.uniform:
+            raise UsageError(f"training diverged: the gradients are all exactly 0 at step {step}, the loss at "
+                             f"{loss:.4g} (a uniform guess's: {self.uniform:.3g}): the network saturated. "
+                             f"{self._lower()}")
+        if highest > 2 * self.uniform:
+            raise UsageError(f"training diverged: the loss rose to {highest:.4g} at step {highest_step} (a uniform "
+                             f"guess's: {self.uniform:.3g}), and at step {step} the gradients are all exactly 0, the "
+                             f"loss back at {loss:.4g}: the network saturated. {self._lower()}")
+        if self.cfg.compile:
+            raise UsageError(f"every gradient is exactly 0 at step {step}: the model does not train. A compiler "
+                             f"bug does this (torch 2.11 with --compile, pytorch/pytorch#180642): run without "
+                             f"--compile, or with another torch (this is {torch.__version__})")
+        raise UsageError(f"every gradient is exactly 0 at step {step}, with the loss at {loss:.4g}, not rising: the "
+                         "model does not train. The gradients do not reach the weights: a change to the model or "
+                         "its loss (a backward that returns zeros, a detached tensor) does this")
+
+    def check_weights(self, step: int, model: torch.nn.Module):
+        """Before a save, on every rank: nothing non-finite reaches a checkpoint, and the older
+        checkpoints stay good."""
+        if not weights_finite(model):
+            raise UsageError(f"training diverged: the weights are not finite at step {step}. {self._lower()}")
