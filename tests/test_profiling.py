@@ -12,13 +12,15 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import (FAST, MODEL, REPO, ddp_two_ranks, metrics, run_script, script_in_process, stopped_at_step_4,
-                      without_speed)
+from conftest import (FAST, MODEL, REPO, ddp_two_ranks, launch_env, metrics, run_script, script_in_process,
+                      stopped_at_step_4, without_speed)
 from model import PRESETS
 from test_bad_inputs import refused_in_process, snapshot
 from tools import draw_trace, trace_summary
@@ -106,11 +108,15 @@ def test_one_process_traces_its_steps_with_no_collective(runs, tmp_path, capsys)
 
 
 def test_a_file_that_is_no_trace_or_a_picture_that_cannot_be_written_is_one_line(tmp_path, capsys):
-    bad, fifo = tmp_path / "x.json", tmp_path / "fifo.pt.trace.json"
+    bad, fifo, zeros, folder = (tmp_path / name for name in ("x.json", "fifo.pt.trace.json", "zeros.pt.trace.json",
+                                                              "folder.pt.trace.json"))
     bad.write_text('{"a": 1}')
     os.mkfifo(fifo)  # read, it would block forever (and /dev/zero never end)
+    zeros.symlink_to("/dev/zero")
+    folder.mkdir()
     refusals = [("tools/trace_summary.py", [str(bad)], f"{bad} is not a trace of torch.profiler (no traceEvents)"),
-                ("tools/trace_summary.py", [str(fifo)], f"trace {fifo} is not a regular file"),
+                *(("tools/trace_summary.py", [str(path)], f"trace {path} is not a regular file")
+                  for path in (fifo, zeros, folder)),
                 ("tools/draw_trace.py", [str(bad), "-o", str(tmp_path / "step.json")],
                  f"--output {tmp_path / 'step.json'}: matplotlib cannot write .json files"),
                 ("tools/draw_trace.py", [str(bad), "-o", str(fifo.with_suffix(".png"))], "exists and is not a file")]
@@ -220,10 +226,14 @@ def damaged(events: list, i: int, change: dict) -> list:
     ({"name": ...}, "event 3 has no name"),
     ({"name": 7}, "event 3 has no name"),
     ({"tid": ...}, "event 3 has no thread"),
-    ({"ts": math.nan}, "event 3 has a start that is not a finite number"),
-    ({"dur": -5}, "event 3 has a duration that is not a finite number of at least 0"),
+    ({"ts": math.nan}, "event 3 has a start that is not a time (a number of µs within ±2**53)"),
+    ({"ts": 10**400}, "event 3 has a start that is not a time (a number of µs within ±2**53)"),  # no float holds it
+    ({"dur": -5}, "event 3 has a duration that is not a time of at least 0 (ending within 2**53 µs)"),
+    ({"dur": 1e300}, "event 3 has a duration that is not a time of at least 0 (ending within 2**53 µs)"),
+    ({"ts": 2**53 - 5}, "event 3 has a duration that is not a time of at least 0 (ending within 2**53 µs)"),
     ({"args": "Input Dims"}, "event 3 has arguments that are not an object"),
-], ids=["no-name", "numeric-name", "no-tid", "nan-ts", "negative-dur", "args-a-string"])
+], ids=["no-name", "numeric-name", "no-tid", "nan-ts", "huge-int-ts", "negative-dur", "huge-dur", "ends-too-late",
+        "args-a-string"])
 @pytest.mark.parametrize("tool", ["tools/trace_summary.py", "tools/draw_trace.py"])
 def test_a_trace_with_a_malformed_event_is_one_line(tmp_path, capsys, tool, change, message):
     trace = write_trace(tmp_path / "rank0.steps7-7.pt.trace.json", damaged(a_cpu_step(), 3, change))
@@ -233,11 +243,55 @@ def test_a_trace_with_a_malformed_event_is_one_line(tmp_path, capsys, tool, chan
     assert not (tmp_path / "p.png").exists()
 
 
-def test_a_step_mark_that_is_no_step_number_is_one_line(tmp_path, capsys):
-    trace = write_trace(tmp_path / "t.pt.trace.json", damaged(a_cpu_step(), 0, {"name": "ProfilerStep#abc"}))
+@pytest.mark.parametrize("number, shown", [("abc", "abc"), ("\u00b2", "\u00b2"), ("1" * 5000, "1" * 47 + "...")],
+                         ids=["letters", "a-unicode-digit", "5000-digits"])  # '²': a digit to str, not to int
+def test_a_step_mark_that_is_no_step_number_is_one_line(tmp_path, capsys, number, shown):
+    trace = write_trace(tmp_path / "t.pt.trace.json", damaged(a_cpu_step(), 0, {"name": f"ProfilerStep#{number}"}))
     assert script_in_process("tools/trace_summary.py", [str(trace)]) == 2
-    assert capsys.readouterr().err == f"error: {trace} marks a step 'ProfilerStep#abc': not a step this trainer's " \
-                                      "--profile marks\n"
+    assert capsys.readouterr().err == f"error: {trace} marks a step 'ProfilerStep#{shown}': not a step this " \
+                                      "trainer's --profile marks\n"
+
+
+@pytest.mark.parametrize("marks, message", [
+    ([("ProfilerStep#8", 100, 500, "user_annotation")],
+     "step 8's mark on the training thread begins at 100 µs, inside step 7's (0 to 1000 µs)"),
+    ([("ProfilerStep#8", 0, 1000, "user_annotation")],
+     "step 8's mark on the training thread begins at 0 µs, inside step 7's (0 to 1000 µs)"),
+    ([("ProfilerStep#7", 1000, 1000, "user_annotation")],
+     "marks step 7 twice on the training thread (at 0 and 1000 µs)"),
+    ([("ProfilerStep#7", 50, 900, "gpu_user_annotation"), ("ProfilerStep#8", 700, 900, "gpu_user_annotation")],
+     "step 8's mark on GPU 0 stream 7 begins at 700 µs, inside step 7's (50 to 950 µs)"),
+], ids=["a-step-inside-another", "a-step-marked-again-as-another", "a-step-marked-twice", "overlapping-on-the-gpu"])
+@pytest.mark.parametrize("tool", ["tools/trace_summary.py", "tools/draw_trace.py"])
+def test_step_marks_that_overlap_on_one_lane_are_one_line_not_counted_twice(tmp_path, capsys, tool, marks, message):
+    """A step is marked on the training thread and again on the GPU's stream (tests/fixtures/'s
+    trace: two lanes, each step listed once); on one lane the marks follow each other."""
+    trace = write_trace(tmp_path / "rank0.steps7-8.pt.trace.json", a_cpu_step() + [
+        event(name, ts, dur, cat=cat, **({"pid": 0, "tid": 7} if cat.startswith("gpu") else {}))
+        for name, ts, dur, cat in marks])
+    assert script_in_process(tool, [str(trace), *(["-o", str(tmp_path / "p.png")] if "draw" in tool else [])]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and message in err[0] and err[0].endswith("not a trace this trainer's --profile wrote"), err
+    assert not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize("tool, unbuffered", [("tools/trace_summary.py", False), ("tools/trace_summary.py", True),
+                                              ("tools/draw_trace.py", False)])
+def test_a_reader_that_stops_reading_ends_the_tool_quietly(tmp_path, tool, unbuffered):
+    """`trace_summary.py TRACE | head -1`: the pipe is closed before the tool writes (here at
+    once), and the tool ends as a Unix tool SIGPIPE ends, 141 and nothing on stderr. Written at
+    once (python -u, PYTHONUNBUFFERED) or on the way out, from the buffer."""
+    trace = write_trace(tmp_path / "rank0.steps7-7.pt.trace.json", a_cpu_step())
+    read, write = os.pipe()
+    os.close(read)
+    args = [str(trace), *(["-o", str(tmp_path / "p.png")] if "draw" in tool else [])]
+    env = {k: v for k, v in launch_env().items() if k != "PYTHONUNBUFFERED"}
+    try:
+        proc = subprocess.run([sys.executable, str(REPO / tool), *args], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=300, env={**env, "PYTHONUNBUFFERED": "1"} if unbuffered else env)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (141, "")
 
 
 def test_two_runs_traces_of_one_name_are_told_apart_by_their_run(tmp_path, capsys):

@@ -26,7 +26,6 @@ docs/profiling.md shows how to read them.
 import argparse
 import bisect
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -113,8 +112,8 @@ TRACE_LIMIT = 2**32  # a trace of a few steps of the 1b model on 8 GPUs is a few
 
 def read_trace(path) -> list[dict]:
     """The trace's complete events ("X": a name, a start and a duration on a thread), each
-    checked: a trace is a file anyone may have edited, and a NaN or negative time would make
-    every figure after it wrong in silence."""
+    checked: a trace is a file anyone may have edited, and a NaN, a negative duration or a time
+    no clock reads would make every figure after it wrong in silence."""
     text = corpus.read_text(path, "trace", TRACE_LIMIT)  # a regular file: a FIFO or /dev/zero is one line
     try:
         trace = json.loads(text)
@@ -130,8 +129,9 @@ def read_trace(path) -> list[dict]:
         problem = next((what for what, bad in (
             ("no name", not isinstance(e.get("name"), str)),
             ("no thread", not isinstance(e.get("tid"), (int, str)) or not isinstance(e.get("pid"), (int, str))),
-            ("a start that is not a finite number", not _finite(e.get("ts"))),
-            ("a duration that is not a finite number of at least 0", not (_finite(e.get("dur")) and e["dur"] >= 0)),
+            ("a start that is not a time (a number of µs within ±2**53)", not _time(e.get("ts"))),
+            ("a duration that is not a time of at least 0 (ending within 2**53 µs)",
+             not (_time(e.get("ts")) and _time(e.get("dur")) and e["dur"] >= 0 and _time(e["ts"] + e["dur"]))),
             ("arguments that are not an object", not isinstance(e.get("args", {}), dict))) if bad), None)
         if problem:
             raise UsageError(f"{path}: event {i} has {problem}: not a trace torch.profiler wrote ({str(e)[:80]})")
@@ -139,8 +139,16 @@ def read_trace(path) -> list[dict]:
     return complete
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+# A trace's times are µs on the clock torch.profiler read: since the epoch (1.7e15), or since a base time the
+# trace names apart (5e12 in tests/fixtures/'s). Within 2**53 µs (285 years) either way a float64 holds every
+# µs exactly; a time beyond it is no clock's, and NaN, an infinity or a 400-digit integer would make every
+# figure after it wrong.
+TIME_LIMIT = 2**53
+
+
+def _time(value) -> bool:
+    """A number within ±TIME_LIMIT (NaN and the infinities compare false; a huge int compares exactly)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and -TIME_LIMIT <= value <= TIME_LIMIT
 
 
 def collective_kind(name: str) -> str | None:
@@ -148,11 +156,35 @@ def collective_kind(name: str) -> str | None:
     return next((kind for key, kind in COLLECTIVE_KINDS.items() if key in name), None)
 
 
+STEP_DIGITS = 19  # as many as 2**63 has: beyond any step a run takes (--profile-warmup stops at 2**62)
+
+
 def step_number(path, name: str) -> int:
+    """A step mark's number: ASCII digits, at most STEP_DIGITS of them ('²' is a digit to str.isdigit, not to int;
+    5,000 digits are too many for int)."""
     number = name[len(STEP_MARK):]
-    if not number.isdigit():
-        raise UsageError(f"{path} marks a step {name!r}: not a step this trainer's --profile marks")
+    if not (number.isascii() and number.isdigit() and len(number) <= STEP_DIGITS):
+        shown = name if len(name) <= 60 else name[:60] + "..."
+        raise UsageError(f"{path} marks a step {shown!r}: not a step this trainer's --profile marks")
     return int(number)
+
+
+def one_after_another(path, marks: list[dict], lane: str) -> list[int]:
+    """The numbers of one lane's step marks (sorted by start), refused unless each step is marked once and each
+    mark ends before the next begins, as torch.profiler marks them: a step inside another, or marked twice, would
+    count its events twice. (A step is marked on the training thread and again on the GPU's stream: two lanes.)"""
+    numbers, seen = [step_number(path, m["name"]) for m in marks], {}
+    for i, (mark, number) in enumerate(zip(marks, numbers)):
+        if number in seen:
+            raise UsageError(f"{path} marks step {number} twice on {lane} (at {seen[number]} and {mark['ts']} µs): "
+                             "not a trace this trainer's --profile wrote")
+        seen[number] = mark["ts"]
+        if i and mark["ts"] < end_of(marks[i - 1]):
+            before = marks[i - 1]
+            raise UsageError(f"{path}: step {number}'s mark on {lane} begins at {mark['ts']} µs, inside step "
+                             f"{numbers[i - 1]}'s ({before['ts']} to {end_of(before)} µs): not a trace this "
+                             "trainer's --profile wrote")
+    return numbers
 
 
 def summarize(path) -> list[dict]:
@@ -169,11 +201,16 @@ def summarize(path) -> list[dict]:
                    key=lambda e: e["ts"])
     if not steps:
         raise UsageError(f"{path} marks no step ({STEP_MARK}N): not a trace of this trainer's --profile")
-    numbers = [step_number(path, s["name"]) for s in steps]
-    if len(set(numbers)) != len(numbers) or len({(s["pid"], s["tid"]) for s in steps}) != 1:
-        raise UsageError(f"{path} marks steps {numbers} on more than one thread or more than once: not a trace "
-                         "this trainer's --profile wrote")
+    if len({(s["pid"], s["tid"]) for s in steps}) != 1:
+        raise UsageError(f"{path} marks steps on more than one thread: not a trace this trainer's --profile wrote")
     pid, main = steps[0]["pid"], steps[0]["tid"]
+    numbers = one_after_another(path, steps, "the training thread")
+    streams = {}  # the GPU's marks of each step, a lane for each (device, stream)
+    for g in gpu_marks:
+        if g["name"].startswith(STEP_MARK):
+            streams.setdefault((g["pid"], g["tid"]), []).append(g)
+    for (device, stream), marks in streams.items():
+        one_after_another(path, sorted(marks, key=lambda g: g["ts"]), f"GPU {device} stream {stream}")
     ours = [e for e in events if e["pid"] == pid]  # the training process's threads (not the GPU's)
     on_main = [e for e in ours if e["tid"] == main]
     kernels = [e for e in events if e.get("cat") == "kernel"]
@@ -331,11 +368,12 @@ def main(argv=None):
     parser = errors.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="+", type=path_argument, help="rank<R>.steps<A>-<B>.pt.trace.json files")
     args = parser.parse_args(argv)
-    for path in args.traces:
-        summaries = summarize(path)  # a damaged trace is one line before anything is printed of it
-        print(trace_name(path))
-        for summary in summaries:
-            print("\n".join("  " + line for line in describe(summary)))
+    with stopping.reader_may_leave():
+        for path in args.traces:
+            summaries = summarize(path)  # a damaged trace is one line before anything is printed of it
+            print(trace_name(path))
+            for summary in summaries:
+                print("\n".join("  " + line for line in describe(summary)))
 
 
 if __name__ == "__main__":

@@ -170,6 +170,20 @@ def exit_on_usage_error(main):
             dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def reader_may_leave():
+    """Around a tool's report on stdout: a reader that stops reading (`| head -1`) ends the tool
+    quietly with 141, what a shell reports for a Unix tool SIGPIPE ended, not with BrokenPipeError's
+    traceback (Python ignores SIGPIPE: a write to a closed pipe raises instead)."""
+    try:
+        yield
+        sys.stdout.flush()  # what is still buffered meets the closed pipe here, not in the interpreter's exit
+    except BrokenPipeError:
+        # the interpreter flushes stdout again on its way out ("Exception ignored"): into /dev/null it cannot fail
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(128 + signal.SIGPIPE)
+
+
 def close_progress_bars():
     """An open progress bar ends its line first: the message gets a line of its own."""
     for bar in list(getattr(tqdm, "_instances", ())):
