@@ -95,8 +95,7 @@ def main(argv=None):
         raise UsageError(f"--output {output}: cannot write it: {first_line(e)}") from None
     finally:
         plt.close(fig)
-    with stopping.reader_may_leave():
-        print(f"wrote {output}")
+    print(f"wrote {output}")
 
 
 if __name__ == "__main__":

@@ -368,12 +368,11 @@ def main(argv=None):
     parser = errors.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="+", type=path_argument, help="rank<R>.steps<A>-<B>.pt.trace.json files")
     args = parser.parse_args(argv)
-    with stopping.reader_may_leave():
-        for path in args.traces:
-            summaries = summarize(path)  # a damaged trace is one line before anything is printed of it
-            print(trace_name(path))
-            for summary in summaries:
-                print("\n".join("  " + line for line in describe(summary)))
+    for path in args.traces:
+        summaries = summarize(path)  # a damaged trace is one line before anything is printed of it
+        print(trace_name(path))
+        for summary in summaries:
+            print("\n".join("  " + line for line in describe(summary)))
 
 
 if __name__ == "__main__":

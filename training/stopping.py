@@ -126,7 +126,8 @@ def exit_on_usage_error(main):
     _main_pid, _signalled, _joining, _abandoned = os.getpid(), None, False, False
     previous = {sig: signal.signal(sig, _end_at_once) for sig in _STOP_SIGNALS}
     try:
-        main()
+        with reader_may_leave():  # `tool | head -1`
+            main()
     except (dist.DistError, RuntimeError) as e:
         if not _joining:  # anything else: torch's own report, whole
             raise
@@ -172,9 +173,9 @@ def exit_on_usage_error(main):
 
 @contextlib.contextmanager
 def reader_may_leave():
-    """Around a tool's report on stdout: a reader that stops reading (`| head -1`) ends the tool
-    quietly with 141, what a shell reports for a Unix tool SIGPIPE ended, not with BrokenPipeError's
-    traceback (Python ignores SIGPIPE: a write to a closed pipe raises instead)."""
+    """Around main(): a reader of stdout that stops reading (`trace_summary.py TRACE | head -1`)
+    ends the script quietly with 141, what a shell reports for a Unix tool SIGPIPE ended, not
+    with BrokenPipeError's traceback (Python ignores SIGPIPE: a write to a closed pipe raises)."""
     try:
         yield
         sys.stdout.flush()  # what is still buffered meets the closed pipe here, not in the interpreter's exit
