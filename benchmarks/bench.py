@@ -22,6 +22,7 @@ is needed; timing starts after warm-up steps, on the same batches for every row.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
 from model import IGNORE_INDEX, PRESETS, LlamaConfig, LlamaForPretraining  # noqa: E402
-from training import config, launch, metrics, stopping  # noqa: E402
+from training import config, files, launch, memory, metrics, stopping  # noqa: E402
 from training.errors import ArgumentParser, UsageError, at_least, path_argument  # noqa: E402
 
 def parse_args(argv=None):
@@ -62,6 +63,8 @@ def parse_args(argv=None):
     args.seq_len = args.seq_len or preset["seq_len"]
     args.batch_size = args.batch_size or preset["batch_size"]
     check_shape(args.model, args.seq_len, args.batch_size, args.max_world_size)
+    check_memory(args, torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    files.check_output(args.json, "--json")  # before the minutes of measurements whose tables it holds
     return args
 
 
@@ -73,6 +76,28 @@ def check_shape(model: str, seq_len: int, batch_size: int, world_size: int):
     if batch_size < world_size:
         raise UsageError(f"--batch-size {batch_size} leaves some of {world_size} ranks without a sequence: give "
                          "at least one a rank")
+
+
+def check_memory(args, device: torch.device):
+    """A batch whose memory estimate (training/memory.py's, the trainers' check) exceeds what is
+    available is refused before anything is allocated. The estimate is our formulation in fp32,
+    with nothing saved: below what the largest rows hold, the tutorial's, in fp32 with the whole
+    logits (the article model at 64 x 512: 40.6 GB estimated, 60.2 measured on one H200). On a
+    CPU the ranks of Table 1's largest world share the memory."""
+    config = model_config(args)
+
+    def need(rows: int) -> int:  # one process's, for a batch of `rows` sequences
+        held = memory.estimate(config, rows, args.seq_len, torch.float32, on_gpu=device.type == "cuda")
+        return dataclasses.replace(held, snapshot=0).total  # the copy a trainer's saves write from
+    ranks = args.max_world_size
+    held = need(args.batch_size) if device.type == "cuda" else max(need(args.batch_size),
+                                                                   ranks * need(-(-args.batch_size // ranks)))
+    available = memory.device_memory(device)[1]
+    if held > available:
+        raise UsageError(f"--batch-size {args.batch_size} x --seq-len {args.seq_len} cannot fit: the {args.model} "
+                         f"model's rows need at least {memory.size(held)} (training/memory.py's estimate), and "
+                         f"{memory.size(available)} of {'GPU' if device.type == 'cuda' else 'CPU'} memory are "
+                         "available; lower --batch-size or --seq-len")
 
 
 def synthetic_batches(args, n=4):
@@ -340,8 +365,9 @@ def print_table(title, rows, args):
     tokens = args.batch_size * args.seq_len
     # A process's peak RSS never goes down: on a CPU, rows measured in one process show the
     # largest so far. GPU rows (and each DDP process) report their own peak.
-    memory = "peak GPU memory (GiB)" if torch.cuda.is_available() else "peak RSS so far (GiB)"
-    print(f"\n{title}\n{'':2}{'run':<55}{'steps/s':>9}{'tokens/s':>11}  {'weights+grads+AdamW (GiB)':<26} {memory}")
+    peak_column = "peak GPU memory (GiB)" if torch.cuda.is_available() else "peak RSS so far (GiB)"
+    print(f"\n{title}\n{'':2}{'run':<55}{'steps/s':>9}{'tokens/s':>11}  {'weights+grads+AdamW (GiB)':<26} "
+          f"{peak_column}")
     for name, row in rows:
         held, peak = (" / ".join(f"{m:.3f}" for m in (v if isinstance(v, list) else [v]))
                       for v in (row["state_gb"], row["peak_mem_gb"]))
@@ -380,15 +406,15 @@ def main(argv=None):
     if peak:
         mfu = flops * best * args.batch_size * args.seq_len / 1e12 / peak
         print(f"  MFU of the fastest one-device row: {mfu:.1%} of {peak} TFLOP/s")
-    memory = memory_table()
+    memory_rows = memory_table()
     print(f"\nTable 3: GiB of weights, gradients and AdamW state per rank (fp32, 16 bytes per parameter; "
           f"each preset's vocabulary)\n  {'model':<10}{'parameters':>14}{'ranks':>7}{'DDP':>10}{'FSDP':>10}")
-    for preset, n_params, n, ddp_gb, fsdp_gb in memory:
+    for preset, n_params, n, ddp_gb, fsdp_gb in memory_rows:
         print(f"  {preset:<10}{n_params:>14,}{n:>7}{ddp_gb:>10.2f}{fsdp_gb:>10.2f}")
-    with open(args.json, "w") as f:
-        json.dump({"device": name, "torch": torch.__version__, "args": vars(args), "dtype_auto": str(dtype),
-                   "flops_per_token": flops, "scaling": dict(scaling), "ablation": dict(ablation),
-                   "ratios": ratios, "memory_per_rank": memory}, f, indent=2)
+    files.atomic_save(json.dumps({"device": name, "torch": torch.__version__, "args": vars(args),
+                                  "dtype_auto": str(dtype), "flops_per_token": flops, "scaling": dict(scaling),
+                                  "ablation": dict(ablation), "ratios": ratios, "memory_per_rank": memory_rows},
+                                 indent=2), Path(args.json))
     print(f"\nwritten to {args.json}")
 
 

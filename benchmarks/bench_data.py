@@ -53,18 +53,65 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=at_least(1), default=64, help="rows a batch for the loader (the article preset's)")
     p.add_argument("--launch", action="store_true", help="also time train_dp.py from launch to its first step")
     args = p.parse_args(argv)
-    check_data(args.data)
+    check_data(args)
     return args
 
 
 MIN_VOCAB = 256 + 3  # every byte, and the special tokens (the trainers' own bound)
 
 
-def check_data(path: str | None):
-    """--data must be a parquet file, there before anything is generated or trained."""
+def corpus_path(args) -> Path:
+    """The corpus a run reads: --data, or the one generated in --data-dir."""
+    return Path(args.data) if args.data else Path(args.data_dir) / f"fineweb_like_{args.mb}mb.parquet"
+
+
+def check_data(args):
+    """Before anything is generated or trained: --data, or a generated corpus already in
+    --data-dir, must be a parquet file with a `text` column (its footer is read, not its rows);
+    --data-dir, where a corpus would be generated, a folder this process may write in."""
+    from training import run_folder
     from training.errors import UsageError
-    if path is not None and not Path(path).is_file():
-        raise UsageError(f"--data {path}: no such file (a parquet file with a `text` column)")
+    path = corpus_path(args)
+    if args.data is not None:
+        if not os.path.lexists(path):
+            raise UsageError(f"--data {path}: no such file (a parquet file with a `text` column)")
+        check_parquet(path, "--data")
+        return
+    run_folder.check_writable(args.data_dir, "--data-dir")
+    if os.path.lexists(path):
+        try:
+            check_parquet(path, "the corpus generated earlier")
+        except UsageError as e:
+            raise UsageError(f"{e}: remove it, and the next run generates it anew") from None
+
+
+def check_parquet(path: Path, what: str):
+    """A parquet file that holds a `text` column; anything else (a text file, a torn parquet, a
+    FIFO) is one line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from training import corpus
+    from training.errors import UsageError, first_line
+    corpus.regular_file(path, what)  # a FIFO would block the read
+    try:
+        names = pq.read_schema(path).names
+    except (pa.ArrowException, OSError) as e:
+        raise UsageError(f"{what} {path} is not a parquet file, or not a whole one: {first_line(e)}") from None
+    if "text" not in names:
+        raise UsageError(f"{what} {path} has no `text` column (its columns: {', '.join(names)})")
+
+
+def read_texts(path: Path) -> list[str]:
+    """The corpus's documents with any text (check_parquet read its footer first); rows
+    that cannot be read are one line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from training.errors import UsageError, first_line
+    try:
+        texts = pq.read_table(path, columns=["text"]).column("text").to_pylist()
+    except (pa.ArrowException, OSError) as e:
+        raise UsageError(f"cannot read the texts of {path}: {first_line(e)}") from None
+    return [t for t in texts if t and t.strip()]
 
 
 # ---- a FineWeb-shaped corpus ------------------------------------------------------------------
@@ -81,6 +128,13 @@ def word_frequencies():
 
 
 def generate(path: Path, megabytes: int):
+    """Write the corpus to path whole or not at all (files.atomic_write): a full disk leaves no
+    torn file there for every later run to read, and says so in one line."""
+    from training import files
+    files.atomic_write(path, lambda f: write_corpus(f, megabytes), megabytes * 1_000_000)
+
+
+def write_corpus(f, megabytes: int):
     import pyarrow as pa
     import pyarrow.parquet as pq
     rng = random.Random(0)
@@ -109,14 +163,37 @@ def generate(path: Path, megabytes: int):
         doc_id += 1
         if len(rows) == 10_000:
             table = pa.Table.from_pylist(rows)
-            writer = writer or pq.ParquetWriter(path, table.schema)
+            writer = writer or pq.ParquetWriter(f, table.schema)
             writer.write_table(table)
             rows = []
     if rows:
         table = pa.Table.from_pylist(rows)
-        writer = writer or pq.ParquetWriter(path, table.schema)
+        writer = writer or pq.ParquetWriter(f, table.schema)
         writer.write_table(table)
     writer.close()
+
+
+def prepared_corpus(args) -> Path:
+    """--data, or the generated corpus, written first if it is not there yet."""
+    path = corpus_path(args)
+    if not path.exists():
+        print(f"writing {path} ...", flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        generate(path, args.mb)
+    return path
+
+
+def bpe(path: Path, vocab_size: int, texts: list[str] | None = None) -> Path:
+    """The corpus's BPE of vocab_size tokens, kept beside it: trained once, on its first 20,000
+    documents (not timed), and written whole."""
+    tokenizer_path = path.with_name(f"{path.stem}.bpe{vocab_size}.json")
+    if not tokenizer_path.exists():
+        import datasets
+        import data
+        from training import files
+        sample = datasets.Dataset.from_dict({"text": (read_texts(path) if texts is None else texts)[:20_000]})
+        files.atomic_save(data.train_tokenizer(sample, vocab_size).to_str(), tokenizer_path)
+    return tokenizer_path
 
 
 # ---- the rows -------------------------------------------------------------------------------
@@ -199,26 +276,18 @@ def main():
     args = parse_args()
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     import datasets
-    import pyarrow.parquet as pq
     import data
     from training import config, launch
     datasets.logging.set_verbosity_error()
 
-    path = Path(args.data) if args.data else Path(args.data_dir) / f"fineweb_like_{args.mb}mb.parquet"
-    if not path.exists():
-        print(f"writing {path} ...", flush=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        generate(path, args.mb)
-    texts = [t for t in pq.read_table(path, columns=["text"]).column("text").to_pylist() if t and t.strip()]
+    path = prepared_corpus(args)
+    texts = read_texts(path)
     megabytes = sum(len(t.encode()) for t in texts) / 1e6
     cores = launch.usable_cores()
     print(f"{path.name}: {len(texts):,} documents, {megabytes:.0f} MB of text | {cores} cores | "
           f"--seq-len {args.seq_len} | BPE of {args.vocab_size:,} tokens", flush=True)
 
-    tokenizer_path = path.with_name(f"{path.stem}.bpe{args.vocab_size}.json")
-    if not tokenizer_path.exists():  # trained once on a sample, not timed
-        sample = datasets.Dataset.from_dict({"text": texts[:20_000]})
-        data.train_tokenizer(sample, args.vocab_size).save(str(tokenizer_path))
+    tokenizer_path = bpe(path, args.vocab_size, texts)
     tokenizer = data.load_tokenizer(tokenizer_path)
     cfg = config.parse_args(["--dataset", str(path), "--seq-len", str(args.seq_len), "--model", "article",
                                "--tokenizer", str(tokenizer_path)])

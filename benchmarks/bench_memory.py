@@ -18,7 +18,8 @@ parameter) come with the first step. The time is one step's, the best of --steps
 rows' processes taking turns. Table 2 gives each row's bytes a token (from the two largest
 batches) beside memory.py's estimate, and Table 3 the largest micro-batch of 512 tokens that
 fits --gpu-gb for the article and 1b presets under DDP and FSDP, from memory.py's estimate
-(an estimate: no run of that size is made).
+(an estimate: no run of that size is made; searched up to 4,096 sequences, and a row that
+reaches it says "at least 4096").
 """
 
 import argparse
@@ -51,7 +52,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not args.one:  # (a worker's row: its parent checked the flags)
         from benchmarks.bench import check_shape
+        from training import files
         check_shape(args.model, args.seq_len, min(args.batch), 1)
+        if not args.estimate_only:  # before the rows are measured
+            files.check_output(args.json, "--json")
     return args
 
 
@@ -139,11 +143,17 @@ def print_fits(args, fits):
     print(f"\nTable 3: the largest micro-batch of {args.seq_len} tokens on a {args.gpu_gb:g} GB GPU, in {args.dtype} "
           "(memory.py's estimate: weights, gradients and AdamW state, activations, one chunk of logits)")
     for preset, how, checkpointing, batch in fits:
-        print(f"  {preset:<8}{how:<16}{'with' if checkpointing else 'without':>8} activation checkpointing: {batch:>5}")
+        largest = f"at least {batch}" if batch == LARGEST_SEARCHED else batch  # the search stopped there, not the GPU
+        print(f"  {preset:<8}{how:<16}{'with' if checkpointing else 'without':>8} activation checkpointing: "
+              f"{largest:>5}")
+
+
+LARGEST_SEARCHED = 4096  # micro-batches: a batch of this size that fits is reported as "at least" it
 
 
 def fits_table(args) -> list:
-    """The largest micro-batch of seq_len tokens whose estimate (memory.py) fits --gpu-gb."""
+    """The largest micro-batch of seq_len tokens whose estimate (memory.py) fits --gpu-gb, up to
+    LARGEST_SEARCHED."""
     import torch
 
     from model import PRESETS, LlamaConfig
@@ -158,7 +168,7 @@ def fits_table(args) -> list:
                 def need(batch):
                     return memory.estimate(config, batch, args.seq_len, dtype, shards=ranks, on_gpu=True,
                                            checkpointing=checkpointing).total
-                batch, too_many = 0, 4097  # the estimate grows with the batch: bisect
+                batch, too_many = 0, LARGEST_SEARCHED + 1  # the estimate grows with the batch: bisect
                 while too_many - batch > 1:
                     middle = (batch + too_many) // 2
                     batch, too_many = (middle, too_many) if need(middle) <= args.gpu_gb * 1e9 else (batch, middle)
@@ -207,9 +217,10 @@ def main(argv=None):
           f"{(base['backward'] - results['+ act. checkpointing', large]['backward']) / 2**30:.2f} GiB less")
     fits = fits_table(args)
     print_fits(args, fits)
-    with open(args.json, "w") as f:
-        json.dump({"args": vars(args), "rows": {f"{v} @ {b}": r for (v, b), r in results.items()},
-                   "bytes_per_token": per_token, "fits": fits}, f, indent=2)
+    from training import files  # here: the rows' processes import no more than they measure
+    files.atomic_save(json.dumps({"args": vars(args), "rows": {f"{v} @ {b}": r for (v, b), r in results.items()},
+                                  "bytes_per_token": per_token, "fits": fits, "largest_searched": LARGEST_SEARCHED},
+                                 indent=2), Path(args.json))
     print(f"\nwritten to {args.json}")
 
 

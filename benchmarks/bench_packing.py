@@ -49,7 +49,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     for seq_len in args.seq_lens:  # before the corpus and its BPE are made: a minute
         bench.check_shape(args.model, seq_len, args.batch_size, 1)
-    bench_data.check_data(args.data)
+    bench_data.check_data(args)
     return args
 
 
@@ -173,7 +173,6 @@ def main():
     args = parse_args()
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     import datasets
-    import pyarrow.parquet as pq
     import torch
     from benchmarks import bench_data
     import data
@@ -181,15 +180,8 @@ def main():
     datasets.logging.set_verbosity_error()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
-    path = Path(args.data) if args.data else Path(args.data_dir) / f"fineweb_like_{args.mb}mb.parquet"
-    if not path.exists():
-        print(f"writing {path} ...", flush=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        bench_data.generate(path, args.mb)
-    tokenizer_path = path.with_name(f"{path.stem}.bpe{args.vocab_size}.json")
-    if not tokenizer_path.exists():  # trained once on a sample, not timed (bench_data.py's)
-        texts = pq.read_table(path, columns=["text"]).column("text").to_pylist()[:20_000]
-        data.train_tokenizer(datasets.Dataset.from_dict({"text": texts}), args.vocab_size).save(str(tokenizer_path))
+    path = bench_data.prepared_corpus(args)
+    tokenizer_path = bench_data.bpe(path, args.vocab_size)  # bench_data.py's, trained once
     vocab_size = data.load_tokenizer(tokenizer_path).get_vocab_size()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"{path.name} | BPE of {vocab_size:,} | {where} | torch {torch.__version__} | --model {args.model}, "

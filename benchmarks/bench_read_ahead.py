@@ -55,10 +55,34 @@ class InTurn:
         return [self.on_device(next(self.batches), self.device) for _ in range(self.grad_accum)]
 
 
+def trainer_argv(args, out_dir: Path) -> list[str]:
+    """train_dp.py's flags for a run: the benchmark's, then the user's after --, which win."""
+    return ["--max-steps", str(args.max_steps), "--log-every", "5", "--eval-every", str(args.max_steps),
+            "--save-every", str(args.max_steps), *args.trainer_flags, "--out-dir", str(out_dir)]
+
+
+def check_trainer_flags(args, out_dir: Path):
+    """Before the first run: the trainer's flags as train_dp.py checks them (its own line for a
+    bad one), and steps enough for a median of its logged rows after the first."""
+    from training import config
+    from training.errors import UsageError
+    try:
+        cfg = config.parse_args(trainer_argv(args, out_dir))
+    except UsageError as e:
+        raise UsageError(f"train_dp.py {' '.join(args.trainer_flags)}: {e}") from None
+    steps = min(cfg.max_steps, cfg.stop_at_step or cfg.max_steps)
+    if steps <= cfg.log_every:
+        raise UsageError(f"--max-steps {steps}: too few steps for a median: train_dp.py logs every {cfg.log_every} "
+                         "steps, and the first row is left out (it waits for the first read); give --max-steps "
+                         f"{cfg.log_every + 1} or more")
+
+
 def one_run(args, ahead: bool, out_dir: Path) -> dict:
-    """train_dp.py in this process, its reads slowed; the medians of its logged rows."""
+    """train_dp.py in this process, its reads slowed; the medians of its logged rows. A run that
+    fails is one line: the trainer's own."""
     import data
     from training import read_ahead
+    from training.errors import UsageError
     real_getitems, real_read_ahead = data.PaddedSequenceDataset.__getitems__, read_ahead.ReadAhead
 
     def slow_getitems(self, indices):
@@ -66,16 +90,26 @@ def one_run(args, ahead: bool, out_dir: Path) -> dict:
         return real_getitems(self, indices)
     data.PaddedSequenceDataset.__getitems__ = slow_getitems
     read_ahead.ReadAhead = real_read_ahead if ahead else InTurn
-    sys.argv = ["train_dp.py", "--max-steps", str(args.max_steps), "--log-every", "5",
-                "--eval-every", str(args.max_steps), "--save-every", str(args.max_steps), *args.trainer_flags,
-                "--out-dir", str(out_dir)]
+    sys.argv = ["train_dp.py", *trainer_argv(args, out_dir)]
+    said = io.StringIO()
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(said):
             runpy.run_path(str(REPO / "train_dp.py"), run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (0, None):  # its exit_on_usage_error printed one line (or "interrupted")
+            lines = [line for line in said.getvalue().splitlines() if line.strip()]
+            line = next((line for line in reversed(lines) if line.startswith("error: ")), lines[-1] if lines else "")
+            if e.code != 2:
+                print(line, file=sys.stderr)
+                raise
+            raise UsageError(f"train_dp.py {' '.join(args.trainer_flags)}: {line.removeprefix('error: ')}") from None
     finally:
         data.PaddedSequenceDataset.__getitems__, read_ahead.ReadAhead = real_getitems, real_read_ahead
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [row for row in rows if "data_wait_fraction" in row][1:]  # the first interval holds the first read
+    if not rows:  # an epoch shorter than --max-steps
+        raise UsageError(f"train_dp.py {' '.join(args.trainer_flags)}: too few steps for a median: the run logged "
+                         "one interval, which is left out (it waits for the first read); give it more data or epochs")
     return {key: statistics.median(row[key] for row in rows) for key in ("data_wait_fraction", "tokens_per_s_nonpad")}
 
 
@@ -84,6 +118,7 @@ def main():
     import torch
     results = {"in turn": [], "read ahead": []}
     with tempfile.TemporaryDirectory() as tmp:
+        check_trainer_flags(args, Path(tmp) / "flags")
         for r in range(args.rounds):  # the kinds take turns: the machine's drift falls on both
             for name in results:
                 results[name].append(one_run(args, name == "read ahead", Path(tmp) / f"{name}-{r}"))

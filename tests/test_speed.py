@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import (BF16, BF16_MULTIPLE, FAST, FP32_LIKE_BF16, REPO, assert_follows_in_bf16, assert_learns,
-                      assert_same_model, load_weights, loss_distance, metrics, script_in_process, spied, train)
+                      assert_same_model, load_weights, loss_distance, metrics, script_in_process, spied, train,
+                      write_corpus)
 from model import LlamaConfig, LlamaForPretraining
 from training import config, launch, weights
 from training.errors import UsageError
@@ -275,6 +277,7 @@ def test_bench_network_counts_a_row_for_each_method_and_preset(capsys):
     assert "1b" in capsys.readouterr().out
 
 
+TOY_BENCH = ["--steps", "1", "--warmup", "0", "--seq-len", "32", "--batch-size", "2"]  # bench.py in seconds
 # (benchmark, flags, what its one line says): each before the benchmark's first expensive step
 BAD_BENCH_FLAGS = [
     ("bench_network.py", ["--nodes", "0"], "argument --nodes: must be at least 1, got 0"),  # was a ZeroDivisionError
@@ -296,6 +299,15 @@ BAD_BENCH_FLAGS = [
     ("bench_grouping.py", ["--world-size", "0"], "argument --world-size: must be at least 1, got 0"),
     ("bench_logging.py", ["--log-every", "0"], "argument --log-every: must be at least 1, got 0"),
     ("bench_read_ahead.py", ["--read-ms", "-1"], "argument --read-ms: must be at least 0.0, got -1"),
+    # a flag for the trainer: the trainer's own line (was exit 2 and nothing said)
+    ("bench_read_ahead.py", ["--", "--bogus"], "train_dp.py --bogus: unrecognized arguments: --bogus"),
+    ("bench_read_ahead.py", ["--max-steps", "3"], "--max-steps 3: too few steps for a median"),  # a StatisticsError
+    # an output that cannot be written, said before the measurements (was a traceback after them, the tables lost)
+    ("bench.py", [*TOY_BENCH, "--json", "{tmp}/missing/bench.json"], "--json {tmp}/missing/bench.json: its folder "
+     "does not exist"),
+    ("bench.py", [*TOY_BENCH, "--json", "{tmp}"], "--json {tmp} exists and is not a file"),
+    ("bench_memory.py", ["--model", "tiny", "--batch", "1", "--seq-len", "32", "--steps", "1", "--json",
+                         "{tmp}/missing/bench_memory.json"], "--json {tmp}/missing/bench_memory.json: its folder"),
 ]
 
 
@@ -377,6 +389,130 @@ def test_bench_grouping_without_fsdp_is_one_line_and_exit_2(monkeypatch, capsys)
     assert script_in_process("benchmarks/bench_grouping.py", []) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"error: bench_grouping.py measures FSDP2, which needs torch 2.6 or newer (this is {torch.__version__})"]
+
+
+def test_bench_refuses_a_batch_that_cannot_fit_before_allocating_it(monkeypatch):
+    """--batch-size 3000000 was an allocation error or the OOM killer: memory.py's estimate
+    refuses it first, as the trainers' check does, and nothing is allocated."""
+    from benchmarks import bench
+
+    def allocated(*args):
+        raise AssertionError("the batches were allocated before the estimate was made")
+    monkeypatch.setattr(bench, "synthetic_batches", allocated)
+    with pytest.raises(UsageError, match=r"^--batch-size 3000000 x --seq-len 128 cannot fit: the tiny model's rows "
+                                         r"need at least [\d,.]+ GB \(training/memory.py's estimate\)"):
+        bench.main(["--model", "tiny", "--batch-size", "3000000", "--seq-len", "128"])
+
+
+def test_bench_memory_says_when_the_search_for_what_fits_stopped_before_the_gpu_did(capsys):
+    """A micro-batch as large as the search goes is "at least" it, not the answer (--gpu-gb
+    1e308 printed 4096 for every row)."""
+    from benchmarks import bench_memory
+    bench_memory.main(["--estimate-only", "--gpu-gb", "1e308"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if "activation checkpointing:" in line]
+    assert len(rows) == 16 and all(row.endswith(f": at least {bench_memory.LARGEST_SEARCHED}") for row in rows)
+    bench_memory.main(["--estimate-only", "--gpu-gb", "24"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if "activation checkpointing:" in line]
+    assert len(rows) == 16 and not any("at least" in row for row in rows)
+
+
+READ_AHEAD_TOY = ["--rounds", "1", "--read-ms", "0", "--max-steps", "6", "--", "--model", "debug", "--vocab-size",
+                  "300", "--seq-len", "32", "--batch-size", "8", "--val-docs", "2", "--dtype", "fp32"]
+
+
+def test_bench_read_ahead_passes_on_the_line_its_trainer_failed_with(tmp_path, capsys):
+    """The trainer's flags pass its checks; its data fails later, inside the run: the trainer's
+    own line, exit status 2 (its stderr was swallowed: exit 2 and nothing said)."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    assert script_in_process("benchmarks/bench_read_ahead.py", [*READ_AHEAD_TOY, "--dataset", str(empty)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: train_dp.py --model debug") and err[0].endswith(
+        f"--dataset {empty}: dataset {empty} has no non-empty documents"), err
+
+
+def test_bench_read_ahead_passes_on_an_interrupted_trainers_line_and_status(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the trainer prepares its data: its line and its status (128 + SIGINT), not
+    a usage error, and not silence."""
+    from training import run_data
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(run_data, "prepare", interrupted)
+    assert script_in_process("benchmarks/bench_read_ahead.py", [*READ_AHEAD_TOY, "--dataset", "stdlib"]) == 130
+    assert capsys.readouterr().err.splitlines() == ["interrupted"]
+
+
+def test_bench_read_ahead_says_when_a_run_was_too_short_for_its_median(tmp_path, capsys):
+    """An epoch shorter than --max-steps: the run logs one interval, which the median leaves out
+    (it waits for the first read). One line, not statistics' 'no median for empty data'."""
+    small = write_corpus(tmp_path / "small.txt", n_docs=12)  # one step of 8 rows an epoch
+    assert script_in_process("benchmarks/bench_read_ahead.py",
+                             [*READ_AHEAD_TOY, "--dataset", str(small), "--epochs", "1"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].endswith(": too few steps for a median: the run logged one interval, which is "
+                                             "left out (it waits for the first read); give it more data or epochs"), err
+
+
+def torn_parquet(path: Path, cut: bool) -> Path:
+    """A parquet file of 2,000 documents, cut short (cut) or with its pages overwritten (its
+    footer whole: only reading its rows fails)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": [f"document {i} " + "word " * 50 for i in range(2000)]}), path)
+    whole = bytearray(path.read_bytes())
+    path.write_bytes(whole[:len(whole) // 2] if cut else whole[:100] + b"\xff" * (len(whole) // 2 - 100)
+                     + whole[len(whole) // 2:])
+    return path
+
+
+@pytest.mark.parametrize("bench", ["bench_data.py", "bench_packing.py"])
+@pytest.mark.parametrize("kind", ["text file", "cut short", "pages overwritten"])
+def test_bench_data_and_packing_refuse_a_corpus_that_is_no_whole_parquet_in_one_line(tmp_path, capsys, bench, kind):
+    """--data corpus.txt, or a parquet cut short, was an Arrow traceback: one line before the
+    corpus is read (its footer is checked first); one whose pages are damaged, when they are read."""
+    if kind == "text file":
+        path = write_corpus(tmp_path / "corpus.txt")
+    else:
+        path = torn_parquet(tmp_path / "corpus.parquet", cut=kind == "cut short")
+    assert script_in_process(f"benchmarks/{bench}", ["--data", str(path), "--data-dir", str(tmp_path / "data")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    said = (f"cannot read the texts of {path}: " if kind == "pages overwritten"
+            else f"--data {path} is not a parquet file, or not a whole one: ")
+    assert len(err) == 1 and err[0].startswith(f"error: {said}"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no BPE trained on it, nothing generated
+
+
+def test_a_generated_corpus_left_torn_is_one_line_that_says_to_remove_it(tmp_path, capsys):
+    """A corpus cut short in --data-dir (by an older version on a full disk) was read by every
+    later run ('magic bytes not found'): one line, before anything is generated or trained."""
+    path = torn_parquet(tmp_path / "fineweb_like_1mb.parquet", cut=True)
+    assert script_in_process("benchmarks/bench_data.py", ["--mb", "1", "--data-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: the corpus generated earlier {path} is not a parquet file")
+    assert err[0].endswith(": remove it, and the next run generates it anew"), err
+
+
+def test_a_full_disk_while_the_corpus_is_generated_is_one_line_and_leaves_nothing_half_written(tmp_path, monkeypatch,
+                                                                                               capsys):
+    """The generated parquet is written under a temp name, then renamed: a disk that fills up
+    midway leaves no torn corpus for the next run to read, and says so in one line."""
+    import errno
+    import io
+    from training import files
+
+    class FullAfter100KB(io.FileIO):
+        def write(self, b):
+            if self.tell() + len(b) > 100_000:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().write(b)
+    monkeypatch.setattr(files, "open", lambda path, mode: FullAfter100KB(path, mode.replace("b", "")), raising=False)
+    data_dir = tmp_path / "data"
+    assert script_in_process("benchmarks/bench_data.py", ["--mb", "1", "--data-dir", str(data_dir)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: no space left to write {data_dir}/fineweb_like_1mb.parquet "
+                                               "(on the disk mounted at "), err
+    assert list(data_dir.iterdir()) == []  # neither the corpus nor its temp file
 
 
 def _ddp_options_worker(rank, store_path, results):

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
-from training import errors, metrics, stopping  # noqa: E402
+from training import errors, files, metrics, stopping  # noqa: E402
 from training.errors import UsageError, first_line, path_argument  # noqa: E402
 from training.run_folder import METRICS  # noqa: E402
 
@@ -65,10 +65,7 @@ def output_path(output: str, plt) -> str:
         if path.suffix[1:].lower() not in formats:
             raise UsageError(f"--output {output}: matplotlib cannot write {path.suffix} files "
                              f"(it writes {', '.join('.' + f for f in sorted(formats))})")
-    if not path.resolve().parent.is_dir():
-        raise UsageError(f"--output {output}: its folder does not exist")
-    if os.path.lexists(path) and not os.path.isfile(path):  # a FIFO would block the write, a folder fail it
-        raise UsageError(f"--output {path} exists and is not a file: choose another name")
+    files.check_output(str(path), "--output")  # its folder, and not a FIFO
     return str(path)
 
 

@@ -1,5 +1,5 @@
 """Files written whole or not at all, and read without running code. Every file a run
-writes goes through atomic_save; every .pt file it reads, through load_pt.
+writes goes through atomic_save (or atomic_write); every .pt file it reads, through load_pt.
 """
 
 import errno
@@ -17,21 +17,37 @@ def atomic_save(obj, path: Path):
     """Write to a temp file, flush it to disk, then rename: a crash mid-write leaves the
     previous file intact, never a torn one. A failed write removes its temp file, and a
     full disk is one line that says where and how much space is missing."""
+    atomic_write(path, lambda f: f.write(obj.encode()) if isinstance(obj, str) else torch.save(obj, f), nbytes(obj))
+
+
+def atomic_write(path: Path, write, needed: int):
+    """atomic_save's guarantees for whatever write(f) puts in the open binary file f, about
+    `needed` bytes (the full disk's line says so)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
-            if isinstance(obj, str):
-                f.write(obj.encode())
-            else:
-                torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
         os.replace(tmp, path)
     except Exception as e:
         tmp.unlink(missing_ok=True)
-        raise_if_disk_full(e, path, nbytes(obj))
+        raise_if_disk_full(e, path, needed)
         raise
     fsync_dir(path.parent)
+
+
+def check_output(path: str, flag: str):
+    """A file a script will write, checked before the work whose result it holds: its folder
+    exists and this process may write there, and nothing but a file stands at its name (a FIFO
+    would block the write, a folder fail it)."""
+    folder = Path(path).resolve().parent
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {path}: its folder does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: no permission to write in {folder}")
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise UsageError(f"{flag} {path} exists and is not a file: choose another name")
 
 
 def raise_if_disk_full(error: BaseException, path: Path, needed: int):
