@@ -27,7 +27,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from model import IGNORE_INDEX
-from training import corpus
+from training import caches, corpus
 from training.errors import UsageError, first_line, warn
 from training.launch import usable_cores
 
@@ -205,8 +205,10 @@ def _encode(batch, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool):
 
 def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int) -> datasets.Dataset:
     """Frame every document and cut it into windows of seq_len + 1 tokens, once: `datasets`
-    caches the result on disk. Large corpora are split over one process per core, each
-    encoding with one thread."""
+    caches the result on disk, under a key of everything that decides it (the documents, the
+    tokenizer, seq_len and this file's encoding code), and what the cache gives back is checked
+    before it is used (caches.cached_map: each window 2 to seq_len + 1 tokens). Large corpora
+    are split over one process per core, each encoding with one thread."""
     tokenizer = text_only(tokenizer)
     exact_cuts = clip_is_exact(tokenizer)
     if not exact_cuts and _longest(texts) > 2 * PIECE_CHARS:
@@ -216,10 +218,28 @@ def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int) -> dat
     num_proc = min(usable_cores(), len(texts) // 5000)
     # token ids in the narrowest type that holds them: 2 bytes each below 65,536 (8 as Python ints)
     ids = datasets.Value("uint16" if tokenizer.get_vocab_size() <= 2**16 else "uint32")
+    key = datasets.fingerprint.Hasher.hash([texts._fingerprint, tokenizer.to_str(), seq_len, ENCODING_CODE])
     with _tokenizer_threads(1 if num_proc > 1 else None):
-        return texts.map(_encode, batched=True, remove_columns=["text"], num_proc=num_proc if num_proc > 1 else None,
-                         fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "exact_cuts": exact_cuts},
-                         features=datasets.Features({"input_ids": datasets.Sequence(ids)}), desc="tokenizing")
+        return caches.cached_map(
+            texts, key, "the cached windows", "tokenizing the corpus again", lambda w: wrong_windows(w, seq_len),
+            function=_encode, batched=True, remove_columns=["text"], num_proc=num_proc if num_proc > 1 else None,
+            fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "exact_cuts": exact_cuts},
+            features=datasets.Features({"input_ids": datasets.Sequence(ids)}), desc="tokenizing")
+
+
+def wrong_windows(windows: datasets.Dataset, seq_len: int) -> str | None:
+    """What is wrong with windows cut for seq_len (None: nothing): each holds 2 to seq_len + 1
+    tokens, a target at least. (Their type `datasets` checks as it reads them back.)"""
+    targets = window_targets(windows)
+    if (targets < 1).any():
+        return f"holds {(targets < 1).sum():,} windows without a target (fewer than 2 tokens)"
+    if (targets > seq_len).any():
+        return f"holds a window of {targets.max() + 1:,} tokens, more than --seq-len + 1 ({seq_len + 1})"
+    return None
+
+
+# The code that cuts documents into windows, in the windows' cache key: edited, it may cut otherwise
+ENCODING_CODE = caches.code_hash(_encode, pieces, clip_text)
 
 
 def _longest(texts: datasets.Dataset) -> int:
@@ -271,6 +291,9 @@ class PaddedSequenceDataset(torch.utils.data.Dataset):
     documents: int | None = None  # how many documents the windows were cut from
     text_bytes: int | None = None  # the UTF-8 bytes of their text (for bits per byte)
 
+    def __post_init__(self):
+        self.read_back = caches.ReadBack(self.rows, "the cached windows")  # checked before each batch is read
+
     def __len__(self):
         return len(self.rows)
 
@@ -308,13 +331,29 @@ class PaddedSequenceDataset(torch.utils.data.Dataset):
     def __getitem__(self, i):
         return self.__getitems__([i])[0]
 
+    def read_windows(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The windows `indices` of self.rows: where each begins among their tokens (and where the
+        last ends), and their tokens one after another. Checked as they are read: a cache file
+        changed in place since it was opened (caches.ReadBack), or a window outside 2 to
+        seq_len + 1 tokens, is damaged data, one line naming the file, never trained on (a
+        window of zeros has no target: whole batches of them made the loss 0 / 0)."""
+        self.read_back.check()
+        try:
+            column = self.rows.with_format("arrow")[indices]["input_ids"].combine_chunks()
+        except (pyarrow.ArrowException, IndexError) as e:
+            raise self.read_back.damaged(first_line(e)) from None
+        starts = column.offsets.to_numpy()
+        lengths = np.diff(starts)  # tokens in each window, [BOT] and [EOT] included
+        if not ((lengths >= 2) & (lengths <= self.seq_len + 1)).all():
+            wrong = lengths[(lengths < 2) | (lengths > self.seq_len + 1)][0]
+            raise self.read_back.damaged(f"a window of {wrong} tokens (each holds 2 to {self.seq_len + 1})")
+        return starts, column.flatten().to_numpy()
+
     def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        column = self.rows.with_format("arrow")[indices]["input_ids"].combine_chunks()
-        lengths = np.diff(column.offsets.to_numpy())  # tokens in each row, [BOT] and [EOT] included
-        if (lengths > self.seq_len + 1).any():
-            raise ValueError(f"a row is longer than seq_len + 1 = {self.seq_len + 1} tokens")
+        starts, flat = self.read_windows(indices)
+        lengths = np.diff(starts)  # tokens in each row, [BOT] and [EOT] included
         tokens = np.full((len(indices), self.seq_len + 1), self.pad_id, dtype=np.int64)
-        tokens[np.arange(self.seq_len + 1) < lengths[:, None]] = column.flatten().to_numpy()  # row after row
+        tokens[np.arange(self.seq_len + 1) < lengths[:, None]] = flat  # row after row
         real = np.arange(self.seq_len) < (lengths - 1)[:, None]  # positions with a real next token
         x = torch.from_numpy(np.where(real, tokens[:, :-1], self.pad_id))
         y = torch.from_numpy(np.where(real, tokens[:, 1:], IGNORE_INDEX))

@@ -36,6 +36,10 @@ first attempt only: after torchrun restarts the workers, the run goes on unharme
                       launched it would
     same-rank         this rank is given RANK=0 too, as a process launched by hand with a copied line
     other-world-size  this rank is given WORLD_SIZE one larger than the others'
+    cut-windows       (padded runs) the windows cache the run trains on is cut to half its size in
+                      place, as someone's `truncate` would, just before the loader reads its first batch
+                      after FAULT_STEP (in the reading thread: no read is under way); zero-windows: cut
+                      to its first KiB and grown back to its size, zeros where its windows were
     none              no fault: the run as it is, only recorded
 Each process records how it ended in $FAULT_LOG_DIR/exit-rank<RANK>.txt. Whatever the fault
 patched is restored when the script ends, so that a test can run this in its own process.
@@ -168,6 +172,23 @@ if "diverge-mid-save" in faults and armed:
 
     patch(stopping.Divergence, "check", nan_at_step)
     patch(FileSystemWriter, "write_data", write_after_divergence)
+
+if ("cut-windows" in faults or "zero-windows" in faults) and armed:
+    import data
+
+    real_getitems = data.PaddedSequenceDataset.__getitems__
+
+    def damaging_getitems(self, indices):
+        if reached.is_set() and self.corpus is not None and not getattr(damaging_getitems, "done", False):
+            damaging_getitems.done = True  # the training windows, once, in the thread that reads them
+            path = self.rows.cache_files[0]["filename"]
+            size = os.path.getsize(path)
+            os.truncate(path, 1024 if "zero-windows" in faults else size // 2)
+            if "zero-windows" in faults:
+                os.truncate(path, size)
+        return real_getitems(self, indices)
+
+    patch(data.PaddedSequenceDataset, "__getitems__", damaging_getitems)
 
 if "small-memory" in faults and armed:
     from training import memory

@@ -1,6 +1,7 @@
 """The corpus: every --dataset form (files, folders, compressed shards, the Hub), the
 embedded default, the fingerprint a resume checks, and the held-out split."""
 
+import gzip
 import json
 
 import datasets
@@ -108,7 +109,31 @@ def test_a_damaged_row_in_one_of_several_files_names_that_file(tmp_path):
     (tmp_path / "c.jsonl").write_text(rows)
     with pytest.raises(UsageError) as refused:
         corpus.load_corpus(str(tmp_path))
-    assert str(refused.value).startswith(f"cannot read {tmp_path / 'b.jsonl'}: JSON parse error: "), refused.value
+    assert str(refused.value) == f"cannot read {tmp_path / 'b.jsonl'}: JSON parse error on line 31: Expecting value " \
+                                 "at column 10"
+
+
+@pytest.mark.parametrize("name, lines, blank, bad, said", [
+    ("c.jsonl", 300, (), 281, "Expecting value at column 10"),
+    ("c.jsonl", 300, (10, 20), 283, "Expecting value at column 10"),  # after two blank lines
+    ("c.jsonl", 40_000, (), 35_001, "Expecting value at column 10"),  # pyarrow said "row 3617": from a block's start
+    ("c.jsonl.gz", 50, (), 41, "Expecting value at column 10"),
+    ("c.jsonl", 50, (), 41, "a list, where each line is an object"),  # pyarrow said "row 0"
+], ids=["line-281", "after-blank-lines", "in-a-later-block", "compressed", "an-array"])
+def test_a_line_that_is_not_json_is_numbered_as_the_files_lines_are(tmp_path, name, lines, blank, bad, said):
+    """Line N of the file, counted from 1 with its blank lines, as an editor or `sed -n Np`
+    finds it: never pyarrow's row, counted from 0 without the blank lines and again from 0 in
+    each block it parses ("row 280" for the 281st line)."""
+    text = [json.dumps({"text": f"doc {i} " + "x" * 40}) for i in range(lines)]
+    for i in blank:
+        text.insert(i, "")
+    text[bad - 1] = '["x"]' if "list" in said else '{"text": broken'
+    path = tmp_path / name
+    with (gzip.open if name.endswith(".gz") else open)(path, "wt") as f:
+        f.write("\n".join(text) + "\n")
+    with pytest.raises(UsageError) as refused:
+        corpus.load_corpus(str(path))
+    assert str(refused.value) == f"cannot read {path}: JSON parse error on line {bad}: {said}"
 
 
 def test_the_fingerprint_is_the_content_not_the_path(tmp_path):

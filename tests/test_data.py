@@ -3,6 +3,8 @@ sampler that gives every world size the same global batches."""
 
 import json
 import os
+import shutil
+import stat
 
 import datasets
 import pytest
@@ -13,7 +15,7 @@ import data
 from data import BOT, EOT, PAD, PaddedSequenceDataset, ResumableDistributedSampler, ResumableRandomSampler
 from model import IGNORE_INDEX
 from training import corpus
-from training.errors import UsageError
+from training.errors import RankError, UsageError
 
 DOCS = ["def add(a, b):\n    return a + b", "héllo wörld — ünïcode ✓", "x = [i * i for i in range(10)]"]
 
@@ -127,6 +129,77 @@ def test_tokenizing_happens_once_and_is_read_back_from_the_cache(tokenizer, tmp_
     assert [(st.st_ino, st.st_mtime_ns) for st in map(os.stat, (f["filename"] for f in second.cache_files))] == \
         [(st.st_ino, st.st_mtime_ns) for st in written]
     assert second["input_ids"] == first["input_ids"]
+
+
+@pytest.fixture
+def cached_windows(tokenizer, tmp_path):
+    """Documents, and their windows at seq_len 16 as `datasets` caches them: (texts, windows, the cache file)."""
+    (tmp_path / "c.txt").write_text("\n".join(DOCS * 3) + "\n")
+    texts = corpus.load_corpus(str(tmp_path / "c.txt"))
+    windows = data.tokenize(texts, tokenizer, seq_len=16)
+    return texts, list(windows["input_ids"]), windows.cache_files[0]["filename"]  # a copy: the file is damaged
+
+
+def write_windows(windows: list[list[int]], path):
+    """A well-formed windows cache file holding `windows`, in place of the one at path."""
+    from datasets.arrow_writer import ArrowWriter
+    with ArrowWriter(path=f"{path}.tmp", features=datasets.Features(
+            {"input_ids": datasets.Sequence(datasets.Value("uint16"))})) as writer:
+        writer.write_batch({"input_ids": windows})
+        writer.finalize()
+    os.replace(f"{path}.tmp", path)
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda windows, path: write_windows([w[:1] for w in windows], path), "holds 15 windows without a target "
+                                                                          "(fewer than 2 tokens)"),
+    (lambda windows, path: write_windows([windows[0] + windows[1], *windows[2:]], path),
+     "holds a window of 20 tokens, more than --seq-len + 1 (17)"),
+    (lambda windows, path: open(path, "r+b").truncate(os.path.getsize(path) // 2), "cannot be read ("),
+], ids=["windows-without-targets", "a-window-over-seq-len", "truncated"])
+def test_a_damaged_windows_cache_is_tokenized_again_with_a_warning_naming_it(tokenizer, cached_windows, capsys, damage,
+                                                                            problem):
+    """The windows cache is a file read back: truncated, or holding windows no tokenizer cuts
+    (no target, longer than a window), it is never trained on: the corpus is tokenized again,
+    and said."""
+    texts, windows, path = cached_windows
+    damage(windows, path)
+    assert list(data.tokenize(texts, tokenizer, seq_len=16)["input_ids"]) == windows
+    err = capsys.readouterr().err
+    assert f"warning: the cached windows {path} {problem}" in err and "tokenizing the corpus again" in err
+    assert list(data.tokenize(texts, tokenizer, seq_len=16)["input_ids"]) == windows and not capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)  # without the check, the FIFO's read blocked forever (and SIGTERM, SIGINT with it)
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_windows_cache_that_is_not_a_regular_file_is_one_line_and_left_as_it_is(tokenizer, cached_windows, kind):
+    """A FIFO where the windows cache belongs would block its read forever; a folder failed
+    with a traceback. Either is refused in one line before anything reads it, and stays."""
+    texts, windows, path = cached_windows
+    os.unlink(path)
+    os.mkfifo(path) if kind == "fifo" else os.mkdir(path)
+    with pytest.raises(UsageError) as refused:
+        data.tokenize(texts, tokenizer, seq_len=16)
+    assert str(refused.value) == (f"the cached windows {path} is not a regular file (a FIFO, a device or a folder): "
+                                  "replace it with the file it should be, or remove it")
+    assert (stat.S_ISFIFO if kind == "fifo" else stat.S_ISDIR)(os.stat(path).st_mode)
+    os.unlink(path) if kind == "fifo" else shutil.rmtree(path)
+    assert list(data.tokenize(texts, tokenizer, seq_len=16)["input_ids"]) == windows  # removed: tokenized again
+
+
+@pytest.mark.parametrize("window", [[1], [], [1, *range(3, 20)]], ids=["one-token", "empty", "over-seq-len"])
+def test_a_window_read_back_without_a_target_or_too_long_is_damaged_data_in_one_line(window):
+    """A window cut from a document holds 2 to seq_len + 1 tokens. One read back otherwise (a
+    cache zeroed or rewritten under the run) is damaged data, said by the rank that reads it,
+    never a batch of rows without targets (whole batches of them made the loss 0 / 0: "training
+    diverged ... lower --lr")."""
+    ds = PaddedSequenceDataset(rows([1, 10, 2], window, [1, 11, 2]), seq_len=8, pad_id=0)
+    assert [y.tolist()[:2] for _, y in ds.__getitems__([0, 2])] == [[10, 2], [11, 2]]
+    with pytest.raises(RankError) as damaged:
+        ds.__getitems__([0, 1, 2])
+    assert str(damaged.value) == (f"damaged data in the cached windows (in memory): a window of {len(window)} tokens "
+                                  "(each holds 2 to 9). Remove that cache (`datasets` makes it again) and run again "
+                                  "with --resume")
 
 
 def test_special_token_lookalikes_in_a_document_are_text(tokenizer):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import (FAST, FAST_WITH_TOKENIZER, REPO, ddp_two_ranks, launch_env, load_weights, max_weight_diff,
-                      metrics, run_script, script_in_process, stopped_at_step_4, train, without_speed)
+                      metrics, run_script, script_in_process, stopped_at_step_4, train, without_speed, write_corpus)
 from training import pt_checkpoint, stopping, weights
 from training.config import TrainConfig
 from training.errors import UsageError
@@ -700,3 +700,30 @@ def test_a_diverging_run_stops_with_one_line_and_saves_nothing_non_finite(runs, 
         raise ValueError(f"{text} is not JSON")
     rows = [json.loads(line, parse_constant=no_nan) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(row.get("loss", 0.0)) for row in rows)
+
+
+@pytest.mark.parametrize("damage", ["zero-windows", "cut-windows"])
+def test_windows_damaged_while_a_run_trains_are_one_line_naming_their_cache_not_a_divergence(tmp_path, capsys,
+                                                                                                  monkeypatch, damage):
+    """The windows cache a run reads is memory-mapped: cut short in place, the next read of a
+    page it lost killed the run (SIGBUS, no word said); cut and grown back, its zeros trained as
+    windows without targets (this run to its end; a longer one stopped with "training diverged
+    ... lower --lr"). Each is damaged data, said in one line that names the cache, before a
+    batch of it is trained on."""
+    corpus = write_corpus(tmp_path / "corpus.txt")  # a cache of its own: the other tests' stays whole
+    out = tmp_path / "run"
+    args = ["--dataset", str(corpus), *FAST, "--out-dir", str(out)]
+    if damage == "cut-windows":  # a process of its own: without the check, SIGBUS kills it
+        proc = run_script("train_dp.py", args, check=False, wrapper="tests/inject_fault.py",
+                          env=fault_env(tmp_path, damage, step=5))
+        status, stderr = proc.returncode, proc.stderr
+    else:
+        status, _, stderr = fault_in_this_process("train_dp.py", args, fault_env(tmp_path, damage, step=5),
+                                                  monkeypatch, capsys)
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert status == 2 and "Traceback" not in stderr, stderr
+    how = "written in place" if damage == "zero-windows" else r"[\d,]+ bytes, now [\d,]+"
+    assert len(errors) == 1 and re.fullmatch(
+        rf"error: damaged data in the cached windows \S+/cache-\w+\.arrow: it changed while this run read it "
+        rf"\({how}\)\. Remove that cache \(`datasets` makes it again\) and run again with --resume", errors[0]), errors
+    assert checkpoint_step(out) == 4 and not (out / "model.pt").exists()  # nothing saved after the damage

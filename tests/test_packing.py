@@ -8,6 +8,8 @@ import functools
 import hashlib
 import os
 import re
+import shutil
+import stat
 
 import datasets
 import numpy as np
@@ -24,6 +26,7 @@ from test_bad_inputs import refused_in_process
 from test_memory import saved_for_backward
 from ops import packed_attention
 from training import build, config, corpus, evaluation, memory, packing, run_data
+from training.errors import RankError, UsageError
 from training.packing import PackedSequenceDataset
 
 PACK = ["--pack"]
@@ -191,10 +194,11 @@ def cached_windows(tmp_path_factory):
     return windows, rows["windows"], rows.cache_files[0]["filename"]
 
 
-def write_rows(rows: list[list[int]], path):
-    """A well-formed packing cache file holding `rows`, in place of the one at path."""
+def write_rows(rows: list[list[int]], path, numbers: str = "uint32"):
+    """A well-formed packing cache file holding `rows` (window numbers of type `numbers`), in
+    place of the one at path."""
     from datasets.arrow_writer import ArrowWriter
-    features = datasets.Features({"windows": datasets.Sequence(datasets.Value("uint32"))})
+    features = datasets.Features({"windows": datasets.Sequence(datasets.Value(numbers))})
     with ArrowWriter(path=f"{path}.tmp", features=features) as writer:
         writer.write_batch({"windows": rows})
         writer.finalize()
@@ -202,23 +206,91 @@ def write_rows(rows: list[list[int]], path):
 
 
 @pytest.mark.parametrize("damage, problem", [
-    (lambda rows, path: write_rows([[0]] * len(rows), path), "holds 370 of the 371 windows nowhere and 1 more than once"),
+    (lambda rows, path: write_rows([[0]] * len(rows), path), "places window 0 276 times (1 windows more than once)"),
+    (lambda rows, path: write_rows([*rows, [0], [1]], path), "places window 0 2 times (2 windows more than once)"),
+    (lambda rows, path: write_rows([rows[0][1:], *rows[1:]], path), "leaves out 1 of the 371 windows"),
     (lambda rows, path: write_rows([rows[0] + rows[1], *rows[2:]], path), "holds a row of 32 positions, more than --seq-len 16"),
     (lambda rows, path: write_rows([rows[0], [], *rows[1:]], path), "holds 1 empty rows"),
     (lambda rows, path: write_rows([[*rows[0], 9999], *rows[1:]], path), "places window 9,999, and the corpus has 371"),
+    (lambda rows, path: write_rows([[*rows[0], -1], *rows[1:]], path, "int64"),
+     "cannot be read (Integer value -1 not in range"),
     (lambda rows, path: open(path, "r+b").truncate(os.path.getsize(path) // 2), "cannot be read (Expected to be able to read"),
-], ids=["every-row-window-0", "a-row-over-seq-len", "an-empty-row", "a-window-that-does-not-exist", "truncated"])
+], ids=["every-row-window-0", "every-window-and-two-twice", "a-window-left-out", "a-row-over-seq-len",
+        "an-empty-row", "a-window-that-does-not-exist", "a-negative-window", "truncated"])
 def test_a_cached_packing_that_is_not_one_is_packed_again_with_a_warning_naming_it(cached_windows, capsys, damage,
                                                                                  problem):
     """The cache is a file: replaced, truncated or damaged, what it holds is never trained on.
-    Every window exactly once, no row over seq_len, no empty row: anything else is packed
-    again, from the windows, and said."""
+    Every window exactly once (counted: a packing that holds every window, some of them twice,
+    would train those twice an epoch), no row over seq_len, no empty row: anything else is
+    packed again, from the windows, and said."""
     windows, rows, path = cached_windows
     damage(rows, path)
     assert packing.pack(windows, 16, seed=1)["windows"] == rows
     err = capsys.readouterr().err
     assert f"warning: --pack: the cached packing {path} {problem}" in err and "packing the windows again" in err
     assert packing.pack(windows, 16, seed=1)["windows"] == rows and not capsys.readouterr().err  # rewritten: good
+
+
+@pytest.mark.timeout(60)  # without the check, the FIFO's read blocked forever (and SIGTERM, SIGINT with it)
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_cached_packing_that_is_not_a_regular_file_is_one_line_and_left_as_it_is(cached_windows, kind):
+    """A FIFO where the cache file belongs would block its read forever; a folder is someone's,
+    and packing again would have to delete it to write there (it failed, a traceback after a
+    warning). Either is refused in one line before anything reads it, and stays; removed, the
+    windows are packed again."""
+    windows, rows, path = cached_windows
+    os.unlink(path)
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.mkdir(path)
+        with open(os.path.join(path, "notes.txt"), "w") as f:
+            f.write("mine")
+    with pytest.raises(UsageError) as refused:
+        packing.pack(windows, 16, seed=1)
+    assert str(refused.value) == (f"--pack: the cached packing {path} is not a regular file (a FIFO, a device or a "
+                                  "folder): replace it with the file it should be, or remove it")
+    if kind == "fifo":
+        assert stat.S_ISFIFO(os.stat(path).st_mode)
+        os.unlink(path)
+    else:
+        assert os.listdir(path) == ["notes.txt"] and open(os.path.join(path, "notes.txt")).read() == "mine"
+        shutil.rmtree(path)
+    assert packing.pack(windows, 16, seed=1)["windows"] == rows and os.path.isfile(path)
+
+
+@pytest.mark.parametrize("rows, problem", [
+    ([[0, 1], [], [2]], "a row of 0 windows (each holds 1 to 2)"),
+    ([[0, 1], [2, 99]], "a row places window 99 of 3"),
+    ([[0, 1, 2]], "a row of 24 positions, more than --seq-len 16"),
+], ids=["an-empty-row", "a-window-that-is-not-there", "a-row-over-seq-len"])
+def test_a_packed_row_read_back_wrong_is_damaged_data_in_one_line(rows, problem):
+    """What `pack` read back it checked; a row read wrong later (its file changed under the
+    run) is damaged data, said by the rank that reads it, never an IndexError's traceback or a
+    row over --seq-len."""
+    windows = datasets.Dataset.from_dict({"input_ids": [[1, *range(3, 10), 2]] * 3})  # 8 positions each
+    packed = PackedSequenceDataset(windows, seq_len=16, pad_id=0, packing=datasets.Dataset.from_dict({"windows": rows}))
+    with pytest.raises(RankError) as damaged:
+        packed.__getitems__(list(range(len(rows))))
+    assert str(damaged.value) == (f"damaged data in --pack's cached packing (in memory): {problem}. Remove that cache "
+                                  "(`datasets` makes it again) and run again with --resume")
+
+
+def test_a_packing_written_while_a_run_reads_it_is_damaged_data_in_one_line(cached_windows):
+    """The packing is memory-mapped: written in place under the run, what the next batch reads
+    is no longer what was checked. Said in one line before that batch is read."""
+    windows, _, path = cached_windows
+    packed = PackedSequenceDataset(windows, seq_len=16, pad_id=0, packing=packing.pack(windows, 16, seed=1))
+    packed.__getitems__([0, 1])
+    size = os.path.getsize(path)
+    with open(path, "ab") as f:  # a byte more, written in place
+        f.write(b"\0")
+    with pytest.raises(RankError) as damaged:
+        packed.__getitems__([0, 1])
+    assert str(damaged.value) == (f"damaged data in --pack's cached packing {path}: it changed while this run read "
+                                  f"it ({size:,} bytes, now {size + 1:,}). Remove that cache (`datasets` makes it "
+                                  "again) and run again with --resume")
+    os.truncate(path, size)  # whole again, for the module's other tests
 
 
 def test_the_packings_cache_key_is_everything_that_decides_the_rows(cached_windows, monkeypatch):

@@ -3,16 +3,20 @@ dataset, loaded as documents with one column, "text"; its fingerprint, which a r
 must find again, and the held-out split.
 """
 
+import codecs
 import contextlib
 import hashlib
 import importlib.util
+import json
 import logging
 import os
+import re
 import stat
 import sysconfig
 from pathlib import Path
 
 import datasets
+import fsspec
 import pyarrow.compute
 
 from training.errors import UsageError, first_line, warn
@@ -195,7 +199,8 @@ def load_corpus(dataset: str, dataset_config: str | None = None, split: str | No
 def _load_files(builder: str, data_files: list[str], dataset: str) -> datasets.Dataset:
     """The files, read by one `datasets` builder. Its errors do not name the file ("JSON parse
     error ... in row 30"): on that path only, the files are read again one at a time, in order,
-    up to the first that fails, which the one line names."""
+    up to the first that fails, which the one line names, with the line of a JSON Lines file
+    that does not parse (_bad_json_line)."""
     def load(files):
         with _reported_by_us():
             return datasets.load_dataset(builder, data_files=files, split="train", **BUILDER_OPTIONS.get(builder, {}))
@@ -209,7 +214,32 @@ def _load_files(builder: str, data_files: list[str], dataset: str) -> datasets.D
             except Exception as in_file:
                 e, where = in_file, f
                 break
-        raise UsageError(f"cannot read {where}: {first_line(e)}") from None
+        problem = first_line(e)
+        if builder == "json" and re.search(r" in row \d+", problem):
+            file = data_files[0] if len(data_files) == 1 else where
+            if bad_line := _bad_json_line(file):
+                where, problem = file, bad_line
+        raise UsageError(f"cannot read {where}: {problem}") from None
+
+
+def _bad_json_line(path: str) -> str | None:
+    """Where a JSON Lines file first fails, counted as editors and `sed -n Np` count its lines
+    (from 1, blank ones included), or None. pyarrow's "in row N" is no line number: it counts
+    from 0, skips blank lines, and starts again at each block it parses (a few hundred kB of a
+    large file). Read again from the start (a compressed file decompressed), on this path only."""
+    with fsspec.open(path, "rb", compression="infer") as f:
+        for number, line in enumerate(f, start=1):
+            if number == 1:
+                line = line.removeprefix(codecs.BOM_UTF8)  # as `datasets` reads it
+            if not line.strip():
+                continue
+            try:
+                document = json.loads(line.rstrip(b"\r\n").decode(errors="replace"))  # its syntax, as pyarrow reads it
+            except json.JSONDecodeError as e:
+                return f"JSON parse error on line {number}: {e.msg.removesuffix(' at')} at column {e.colno}"
+            if not isinstance(document, dict):
+                return f"JSON parse error on line {number}: a {type(document).__name__}, where each line is an object"
+    return None
 
 
 def _text_column(ds: datasets.Dataset, column: str, name: str) -> datasets.Dataset:

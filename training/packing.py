@@ -6,18 +6,16 @@ each window with its positions from 0, and ops/packed_attention.py keeps each wi
 
 import functools
 import hashlib
-import inspect
 from dataclasses import dataclass
-from pathlib import Path
 
 import datasets
 import numpy as np
-import pyarrow
 import pyarrow.compute
 import torch
 
 from data import IGNORE_INDEX, PaddedSequenceDataset, window_targets
-from training.errors import UsageError, first_line, warn
+from training import caches
+from training.errors import UsageError
 
 
 def pack(windows: datasets.Dataset, seq_len: int, seed: int) -> datasets.Dataset:
@@ -27,49 +25,38 @@ def pack(windows: datasets.Dataset, seq_len: int, seed: int) -> datasets.Dataset
     as many positions as it has targets. Only the windows' lengths are read (from the Arrow
     column), so memory is a few integers a window, whatever their tokens.
 
-    What the cache gives back is checked before it is used (a cache is a file anyone may have
-    replaced, truncated or left from other code): every window exactly once, no row over
-    seq_len positions. Anything else is packed again, with a warning naming the file."""
+    What the cache gives back is checked before it is used (caches.cached_map): every window
+    exactly once, no row over seq_len positions. A cache file that is not a regular file is
+    refused in one line; anything else is packed again, with a warning naming the file."""
     if len(windows) >= 2**31:
         raise UsageError(f"--pack: {len(windows):,} windows, more than one packing holds (2**31 - 1): "
                          "train on part of the corpus at a time, or without --pack")
     key = datasets.fingerprint.Hasher.hash([windows._fingerprint, seq_len, seed, PACKING_CODE])
-
-    def packed(reuse: bool) -> datasets.Dataset:
-        return windows.with_format("arrow").map(
-            _pack, batched=True, batch_size=None, remove_columns=windows.column_names,  # all windows at once
-            fn_kwargs={"seq_len": seq_len, "seed": seed}, desc="packing", new_fingerprint=key,
-            load_from_cache_file=reuse,
-            features=datasets.Features({"windows": datasets.Sequence(datasets.Value("uint32"))})).with_format(None)
     targets = window_targets(windows)
-    try:
-        rows = packed(reuse=True)
-        problem = wrong_rows(rows, targets, seq_len)
-    except (OSError, pyarrow.ArrowException, KeyError, TypeError, ValueError) as e:  # truncated, another schema
-        problem = f"cannot be read ({first_line(e)})"
-    if problem is None:
-        return rows
-    cache = Path(windows.cache_files[0]["filename"]).with_name(f"cache-{key}.arrow") if windows.cache_files \
-        else "in memory"
-    warn(f"--pack: the cached packing {cache} {problem}: packing the windows again")
-    rows = packed(reuse=False)
-    if problem := wrong_rows(rows, targets, seq_len):  # what this code made itself: a bug, never data
-        raise RuntimeError(f"the packing {problem}")
-    return rows
+    rows = caches.cached_map(
+        windows.with_format("arrow"), key, "--pack: the cached packing", "packing the windows again",
+        lambda rows: wrong_rows(rows, targets, seq_len),
+        function=_pack, batched=True, batch_size=None, remove_columns=windows.column_names,  # all windows at once
+        fn_kwargs={"seq_len": seq_len, "seed": seed}, desc="packing",
+        features=datasets.Features({"windows": datasets.Sequence(datasets.Value("uint32"))}))
+    return rows.with_format(None)
 
 
 def wrong_rows(rows: datasets.Dataset, targets: np.ndarray, seq_len: int) -> str | None:
     """What is wrong with a packing of windows whose targets are `targets` into rows of seq_len
-    positions (None: nothing). It must hold every window exactly once, each row at least one,
-    and no row more positions than seq_len."""
-    column = rows.with_format("arrow")[:]["windows"].combine_chunks()
+    positions (None: nothing). It must hold every window exactly once (counted: a window in two
+    rows would train twice an epoch), each row at least one, and no row more positions than
+    seq_len."""
+    column = rows.with_format("arrow")[:]["windows"].combine_chunks()  # uint32: `datasets` refuses a -1
     placed, per_row = column.flatten().to_numpy(), np.diff(column.offsets.to_numpy())
     if len(placed) and placed.max() >= len(targets):
         return f"places window {placed.max():,}, and the corpus has {len(targets):,}"
     counts = np.bincount(placed, minlength=len(targets))
-    if (counts != 1).any():
-        return (f"holds {(counts == 0).sum():,} of the {len(targets):,} windows nowhere and {(counts > 1).sum():,} "
-                "more than once")
+    if (counts > 1).any():
+        twice = int(np.argmax(counts > 1))
+        return f"places window {twice:,} {counts[twice]:,} times ({(counts > 1).sum():,} windows more than once)"
+    if (counts == 0).any():
+        return f"leaves out {(counts == 0).sum():,} of the {len(targets):,} windows"
     if (per_row == 0).any():
         return f"holds {(per_row == 0).sum():,} empty rows"
     used = np.add.reduceat(targets[placed], np.cumsum(per_row) - per_row) if len(per_row) else per_row
@@ -127,10 +114,8 @@ def best_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int) -> tuple[np
 
 
 # The code that decides the rows, in the packing's cache key: edited, it packs otherwise, and
-# rows cached by the code before it must not be taken for its own (`datasets` hashes a
-# function by its name and module, not by what the functions it calls do)
-PACKING_CODE = hashlib.blake2b("".join(inspect.getsource(f) for f in (_pack, best_fit_decreasing)).encode(),
-                               digest_size=16).hexdigest()
+# rows cached by the code before it must not be taken for its own (caches.code_hash)
+PACKING_CODE = caches.code_hash(_pack, best_fit_decreasing)
 
 
 @dataclass
@@ -146,6 +131,10 @@ class PackedSequenceDataset(PaddedSequenceDataset):
     The model keeps each window to itself (packed_attention.window_mask)."""
 
     packing: datasets.Dataset | None = None  # column "windows": the windows each row holds, in order
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.packing_read_back = caches.ReadBack(self.packing, "--pack's cached packing")
 
     def __len__(self):
         return len(self.packing)
@@ -171,15 +160,23 @@ class PackedSequenceDataset(PaddedSequenceDataset):
         return np.add.reduceat(self.window_targets[column.flatten().to_numpy()], column.offsets.to_numpy()[:-1])
 
     def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, ...]]:
+        # The packing was checked when read back (wrong_rows); what changed since is damaged data
+        self.packing_read_back.check()
         packed = self.packing.with_format("arrow")[indices]["windows"].combine_chunks()
         per_row = np.diff(packed.offsets.to_numpy())  # windows in each row
-        column = self.rows.with_format("arrow")[packed.flatten().to_numpy().tolist()]["input_ids"].combine_chunks()
-        starts = column.offsets.to_numpy()  # where each window's tokens begin in `tokens` (and the end)
-        tokens = column.flatten().to_numpy().astype(np.int64)  # the batch's windows, one after another
+        placed = packed.flatten().to_numpy()
+        if not ((per_row >= 1) & (per_row < self.max_windows)).all():
+            wrong = per_row[(per_row < 1) | (per_row >= self.max_windows)][0]
+            raise self.packing_read_back.damaged(f"a row of {wrong} windows (each holds 1 to {self.max_windows - 1})")
+        if len(placed) and placed.max() >= len(self.rows):
+            raise self.packing_read_back.damaged(f"a row places window {placed.max():,} of {len(self.rows):,}")
+        starts, tokens = self.read_windows(placed.tolist())  # the batch's windows, one after another
+        tokens = tokens.astype(np.int64)
         fills = np.diff(starts) - 1  # positions each window fills: its targets
         used = np.add.reduceat(fills, np.cumsum(per_row) - per_row)  # positions each row's windows fill
         if (used > self.seq_len).any():
-            raise ValueError(f"a packed row holds more than seq_len = {self.seq_len} positions")
+            raise self.packing_read_back.damaged(f"a row of {used.max()} positions, more than --seq-len "
+                                                 f"{self.seq_len}")
         # For every input position of the batch, in window order: its position in its window,
         # where its token lies in `tokens`, and where it goes in the (rows, seq_len) batch.
         before = np.repeat(np.cumsum(fills) - fills, fills)  # positions of the windows before its own
