@@ -4,7 +4,6 @@ so a packed run trains the model a padded one trains, with almost no compute on 
 and everything that holds for padded runs holds packed (DP, DDP, FSDP, accumulation,
 resume, evaluation, the memory estimate, compile, activation checkpointing)."""
 
-import functools
 import hashlib
 import os
 import re
@@ -342,29 +341,34 @@ def test_the_block_mask_is_compiled_once_for_every_layout_and_equals_the_eager_o
     """CUDA's BlockMask comes from a compiled function of position_ids (7.62 ms eager, 0.21 ms
     compiled on an H100): one graph for 20 batches whose windows fall elsewhere (a closure over
     each batch's windows, made outside, would be a new input and a recompile each time), equal
-    to the eager mask block by block, and its mask_mod too, token by token. Counted with a
-    compiler that runs the captured graph as it is (torch's own CompileCounter): the graph is
-    what inductor gets, and this test runs on every CPU. A fresh compile: none from earlier tests."""
+    to the eager mask block by block, and its mask_mod too, token by token. The compiled
+    function is made once a process (torch.compile called for every batch would compile every
+    batch anew). Counted with a compiler that runs the captured graph as it is (torch's own
+    CompileCounter), a new one for each torch.compile call, as inductor's is: the graph is what
+    inductor gets, and this test runs on every CPU. A fresh compile: none from earlier tests."""
     from torch._dynamo.testing import CompileCounter
-    counter = CompileCounter()
+    counter, real_compile = CompileCounter(), torch.compile
     monkeypatch.setattr(packed_attention, "uses_flex", lambda t: True)  # CUDA's path, on the CPU
-    monkeypatch.setattr(packed_attention, "_compiled_block_mask", functools.cache(
-        lambda: torch.compile(packed_attention.block_mask, backend=counter, **packed_attention.MASK_COMPILE_OPTIONS)))
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: real_compile(
+        fn, backend=lambda graph, inputs: counter(graph, inputs), **options))
+    fresh = getattr(packed_attention._compiled_block_mask, "cache_clear", lambda: None)  # none made before
+    fresh()
     torch._dynamo.reset()
-    for position_ids in random_layouts(20):
-        compiled = packed_attention.window_mask(position_ids, torch.float32)
-        eager = packed_attention.block_mask(position_ids)
-        for name in BLOCK_MASK_TENSORS:
-            a, b = getattr(compiled, name), getattr(eager, name)
-            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
-        B, T = position_ids.shape
-        b, q, kv = torch.meshgrid(torch.arange(B), torch.arange(T), torch.arange(T), indexing="ij")
-        assert torch.equal(compiled.mask_mod(b, 0, q, kv), eager.mask_mod(b, 0, q, kv))
+    try:
+        for position_ids in random_layouts(20):
+            compiled = packed_attention.window_mask(position_ids, torch.float32)
+            eager = packed_attention.block_mask(position_ids)
+            for name in BLOCK_MASK_TENSORS:
+                a, b = getattr(compiled, name), getattr(eager, name)
+                assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+            B, T = position_ids.shape
+            b, q, kv = torch.meshgrid(torch.arange(B), torch.arange(T), torch.arange(T), indexing="ij")
+            assert torch.equal(compiled.mask_mod(b, 0, q, kv), eager.mask_mod(b, 0, q, kv))
+    finally:
+        fresh()  # the counted compile is this test's alone
     assert counter.frame_count == 1, f"{counter.frame_count} compiles for 20 layouts of one shape"
 
 
-@pytest.mark.compile
-@compiles_flex_on_this_cpu
 def blocks_listed(num_blocks, indices, blocks: int) -> torch.Tensor:
     """A BlockMask's blocks of one row and head, queries and keys of one length, as a (blocks,
     blocks) bool table: block i lists num_blocks[i] of the other's in indices[i] (None: none)."""
