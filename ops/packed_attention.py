@@ -95,8 +95,15 @@ def compiled_block_mask(position_ids):
 def _compiled_block_mask():
     # Made on the first call (torch.compile, and torch.compiler.disable, import the compiler: 2 s
     # at a process's start otherwise). Run outside any compiled region that calls it: made
-    # before the compiled layers that read it, in a graph of its own (torchtitan's way).
-    return torch.compiler.disable(torch.compile(block_mask, **MASK_COMPILE_OPTIONS))
+    # before the compiled layers that read it, in a graph of its own (torchtitan's way). A function
+    # that calls the compiled one is disabled, not the compiled one itself: torch.compiler.disable
+    # unwraps a compiled function to the plain one it compiles, which then ran eagerly.
+    compiled = torch.compile(block_mask, **MASK_COMPILE_OPTIONS)
+
+    @torch.compiler.disable
+    def made_outside_compiled_regions(position_ids):
+        return compiled(position_ids)
+    return made_outside_compiled_regions
 
 
 def windows_end_to_end(cu_seqlens, T: int) -> Windows:

@@ -4,7 +4,6 @@ so a packed run trains the model a padded one trains, with almost no compute on 
 and everything that holds for padded runs holds packed (DP, DDP, FSDP, accumulation,
 resume, evaluation, the memory estimate, compile, activation checkpointing)."""
 
-import functools
 import hashlib
 import os
 import re
@@ -153,6 +152,9 @@ def test_each_rows_cu_seqlens_are_where_its_windows_end_at_one_length_for_the_wh
     assert any(row[-2] < T and (y[r, row[-2]:] == IGNORE_INDEX).all() for r, row in enumerate(rows))  # padding last
     assert any(np.diff(row).tolist().count(1) >= 6 for row in rows)  # windows of one target side by side
     assert max(len(row) - 1 for row in rows) <= packed.max_windows  # room for the fullest row and its padding
+    # a batch of rows of one window each is as long: the length is the dataset's, not the batch's
+    alone = [r for r, row in enumerate(rows) if len(row) == 2]
+    assert [len(item[3]) for item in packed.__getitems__(alone)] == [packed.max_windows + 1] * len(alone)
     padding_row = packed.padding_row()[3]
     assert padding_row.tolist() == [0] + [T] * packed.max_windows
 
@@ -353,14 +355,23 @@ def relative_distance(a, b):
     return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b))
 
 
-def test_queries_in_blocks_equal_one_call_with_the_whole_mask_forward_and_backward():
+def test_queries_in_blocks_equal_one_call_with_the_whole_mask_forward_and_backward(monkeypatch):
     """What attention_in_query_blocks replaces: one call over every key. 600 positions: three
-    blocks of queries, the last one short. The floor: one call on the batch in reverse order."""
+    blocks of queries, the last one short, each against the keys up to its own end (the same
+    result as the whole mask at once, which scores every key: only the calls tell them apart).
+    The floor: one call on the batch in reverse order."""
     inputs = attention_inputs(600)
     plain = attended(in_one_call, *inputs)
     floor = max(relative_distance(attended(in_one_call, *inputs, flip=True), plain), torch.finfo(torch.float32).eps)
-    assert_within("query blocks vs one call", relative_distance(attended(in_query_blocks, *inputs), plain),
-                  floor, FLOOR_MULTIPLE)
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def recorded(q, k, v, attn_mask, **kwargs):
+        calls.append((q.shape[2], k.shape[2], tuple(attn_mask.shape[2:])))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+    monkeypatch.setattr(packed_attention.F, "scaled_dot_product_attention", recorded)
+    in_blocks = attended(in_query_blocks, *inputs)
+    assert calls == [(256, 256, (256, 256)), (256, 512, (256, 512)), (88, 600, (88, 600))]  # queries, keys, mask
+    assert_within("query blocks vs one call", relative_distance(in_blocks, plain), floor, FLOOR_MULTIPLE)
 
 
 # Inductor compiles flex attention for a CPU only with its vector instructions: under
@@ -402,25 +413,76 @@ def test_the_block_mask_is_compiled_once_for_every_layout_and_equals_the_eager_o
     """CUDA's BlockMask comes from a compiled function of position_ids (7.62 ms eager, 0.21 ms
     compiled on an H100): one graph for 20 batches whose windows fall elsewhere (a closure over
     each batch's windows, made outside, would be a new input and a recompile each time), equal
-    to the eager mask block by block, and its mask_mod too, token by token. Counted with a
-    compiler that runs the captured graph as it is (torch's own CompileCounter): the graph is
-    what inductor gets, and this test runs on every CPU. A fresh compile: none from earlier tests."""
+    to the eager mask block by block, and its mask_mod too, token by token. The compiled
+    function is made once a process (torch.compile called for every batch would compile every
+    batch anew). Counted with a compiler that runs the captured graph as it is (torch's own
+    CompileCounter), a new one for each torch.compile call, as inductor's is: the graph is what
+    inductor gets, and this test runs on every CPU. A fresh compile: none from earlier tests."""
     from torch._dynamo.testing import CompileCounter
-    counter = CompileCounter()
+    counter, real_compile = CompileCounter(), torch.compile
     monkeypatch.setattr(packed_attention, "uses_flex", lambda t: True)  # CUDA's path, on the CPU
-    monkeypatch.setattr(packed_attention, "_compiled_block_mask", functools.cache(
-        lambda: torch.compile(packed_attention.block_mask, backend=counter, **packed_attention.MASK_COMPILE_OPTIONS)))
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: real_compile(
+        fn, backend=lambda graph, inputs: counter(graph, inputs), **options))
+    fresh = getattr(packed_attention._compiled_block_mask, "cache_clear", lambda: None)  # none made before
+    fresh()
     torch._dynamo.reset()
-    for position_ids in random_layouts(20):
-        compiled = packed_attention.window_mask(position_ids, torch.float32)
-        eager = packed_attention.block_mask(position_ids)
-        for name in BLOCK_MASK_TENSORS:
-            a, b = getattr(compiled, name), getattr(eager, name)
-            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
-        B, T = position_ids.shape
-        b, q, kv = torch.meshgrid(torch.arange(B), torch.arange(T), torch.arange(T), indexing="ij")
-        assert torch.equal(compiled.mask_mod(b, 0, q, kv), eager.mask_mod(b, 0, q, kv))
+    try:
+        for position_ids in random_layouts(20):
+            compiled = packed_attention.window_mask(position_ids, torch.float32)
+            eager = packed_attention.block_mask(position_ids)
+            for name in BLOCK_MASK_TENSORS:
+                a, b = getattr(compiled, name), getattr(eager, name)
+                assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+            B, T = position_ids.shape
+            b, q, kv = torch.meshgrid(torch.arange(B), torch.arange(T), torch.arange(T), indexing="ij")
+            assert torch.equal(compiled.mask_mod(b, 0, q, kv), eager.mask_mod(b, 0, q, kv))
+    finally:
+        fresh()  # the counted compile is this test's alone
     assert counter.frame_count == 1, f"{counter.frame_count} compiles for 20 layouts of one shape"
+
+
+def blocks_listed(num_blocks, indices, blocks: int) -> torch.Tensor:
+    """A BlockMask's blocks of one row and head, queries and keys of one length, as a (blocks,
+    blocks) bool table: block i lists num_blocks[i] of the other's in indices[i] (None: none)."""
+    table = torch.zeros(blocks, blocks, dtype=torch.bool)
+    for i, n in enumerate([] if num_blocks is None else num_blocks.tolist()):
+        table[i, indices[i, :n]] = True
+    return table
+
+
+def test_the_block_mask_lists_for_every_row_exactly_the_blocks_its_own_windows_need():
+    """Flex attention computes the blocks a BlockMask lists and no other: for each row of the
+    batch, each block of 128 queries against each block of 128 keys is skipped where the row's
+    mask (window_mask's, the CPU's, the same positions) allows no pair, applied pair by pair
+    where it allows some, and computed whole where it allows every pair (the rows' padding past
+    T allows none). Listed for the whole batch by its first row (a BlockMask of batch 1, which
+    flex broadcasts), a row whose windows fall elsewhere skips blocks it needs, or computes
+    blocks it needs not; listing every block partial computes the same and skips nothing.
+    Checked row by row, as the queries' blocks list the keys' (forward) and the keys' the
+    queries' (backward), on rows whose windows end in other places, and mask_mod pair by pair.
+    (Made eagerly: the compiled BlockMask equals the eager one, test above.)"""
+    T, size = 300, 128  # the last blocks short
+    layouts = torch.stack([torch.arange(5).repeat(T // 5),  # windows of 5: only the diagonal's blocks
+                           torch.arange(T),  # one window: every block up to the diagonal, full below it
+                           torch.cat([torch.arange(128), torch.arange(T - 128)]),  # a window ends with a block
+                           torch.cat([torch.arange(100), torch.arange(100), torch.arange(100)])])  # windows across
+    for position_ids in [layouts, *random_layouts(3, B=4, T=T, seed=1)]:
+        block_mask = packed_attention.block_mask(position_ids)
+        allowed = packed_attention.window_mask(position_ids, torch.float32)[:, 0] == 0  # (B, T, T)
+        B, n = len(position_ids), -(-T // size)
+        pairs = F.pad(allowed, (0, n * size - T, 0, n * size - T)).view(B, n, size, n, size)
+        needed, whole = pairs.any(4).any(2), pairs.all(4).all(2)  # (B, query blocks, key blocks)
+        for b in range(B):
+            def row(name):  # row b's (head 0's), where the batch is broadcast too
+                t = getattr(block_mask, name)
+                return t if t is None else t[b if t.shape[0] > 1 else 0, 0]
+            full = blocks_listed(row("full_kv_num_blocks"), row("full_kv_indices"), n)
+            partial = blocks_listed(row("kv_num_blocks"), row("kv_indices"), n)
+            assert torch.equal(full, whole[b]) and torch.equal(partial, needed[b] & ~whole[b]), f"row {b}"
+            assert torch.equal(blocks_listed(row("full_q_num_blocks"), row("full_q_indices"), n).T, full)
+            assert torch.equal(blocks_listed(row("q_num_blocks"), row("q_indices"), n).T, partial)
+        b, q, kv = torch.meshgrid(torch.arange(B), torch.arange(T), torch.arange(T), indexing="ij")
+        assert torch.equal(block_mask.mask_mod(b, 0, q, kv), allowed)
 
 
 @pytest.mark.compile
@@ -721,10 +783,13 @@ def packed_datasets(runs, out, flags=PACK):
 def test_a_packed_evaluation_gives_the_padded_evaluations_loss_and_bits_per_byte(runs, floor):
     """The run's last val_loss and val_bpb (step 8, its final weights), from its packed held-out
     rows, against the same weights evaluated one window a row. The floor: that padded
-    evaluation in reverse order."""
+    evaluation in reverse order. The held-out rows are packed as the training rows are (the
+    same loss either way: only their number of rows says so), so that evaluation costs what
+    training does."""
     out = runs("dp_pack", "train_dp.py", PACK)
     cfg, _, packed_val = packed_datasets(runs, out)
     padded_val = PaddedSequenceDataset(packed_val.rows, 32, packed_val.pad_id, text_bytes=packed_val.text_bytes)
+    assert isinstance(packed_val, PackedSequenceDataset) and len(packed_val) < len(padded_val)
     model = build.model(cfg, 300, torch.float32)
     model.load_state_dict(load_weights(out))
     last = [row for row in metrics(out) if "val_loss" in row][-1]

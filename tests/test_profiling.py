@@ -38,6 +38,16 @@ def traces(out):
     return sorted((out / "profile").iterdir())
 
 
+def micro_step_marks(trace: Path) -> dict[int, list[dict]]:
+    """The trainer's micro-step marks in each traced step (by number), in order. Each script
+    marks them itself (profiler.micro_steps): without them trace_summary would find the
+    micro-steps all the same, from each forward's first call, as in a trace of an earlier version."""
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    return {s["step"]: sorted((e for e in events if e["name"].startswith(profiling.MICRO_STEP_MARK)
+                               and s["ts_us"] <= e["ts"] < s["ts_us"] + s["ms"] * 1000), key=lambda e: e["ts"])
+            for s in trace_summary.summarize(trace)}
+
+
 def test_ddp_traces_every_rank_and_all_reduces_gradients_during_the_last_backward_only(runs):
     out = runs("ddp2_profiled", "train_ddp.py", DDP_PROFILE, nproc=2)
     assert [p.name for p in traces(out)] == ["rank0.steps3-4.pt.trace.json", "rank1.steps3-4.pt.trace.json"]
@@ -45,8 +55,10 @@ def test_ddp_traces_every_rank_and_all_reduces_gradients_during_the_last_backwar
         assert "traceEvents" in json.loads(trace.read_text())  # Chrome's trace format
         steps = trace_summary.summarize(trace)
         assert [s["step"] for s in steps] == [3, 4]  # steps 1 and 2 warmed up, untraced
+        marks = micro_step_marks(trace)
         for s in steps:
             assert len(s["micro_steps"]) == 2 and all(m["backward"] for m in s["micro_steps"])
+            assert [e["name"] for e in marks[s["step"]]] == ["micro-step 1", "micro-step 2"]  # train_ddp.py's
             gradients = [c for c in s["collectives"] if c["kind"] == "all-reduce" and c["elements"] > 1
                          and not c["phase"].startswith("optimizer")]  # not the evaluation's [loss, count]
             # none in micro-step 1 (no_sync); the last bucket goes once backward has filled it
@@ -61,7 +73,9 @@ def test_ddp_traces_every_rank_and_all_reduces_gradients_during_the_last_backwar
 def test_fsdp_gathers_each_layer_before_it_runs_and_reduce_scatters_it_in_backward(runs):
     out = runs("fsdp2_profiled", "train_fsdp.py", PROFILE, nproc=2)
     for trace in traces(out):
+        marks = micro_step_marks(trace)
         for s in trace_summary.summarize(trace):
+            assert [e["name"] for e in marks[s["step"]]] == ["micro-step 1", "micro-step 2"]  # train_fsdp.py's
             # step 4 evaluates (FAST: every 4 steps): its gathers are evaluation's, not the optimizer step's
             phases = {c["phase"] for c in s["collectives"] if c["kind"] == "all-gather"}
             assert ("evaluation" in phases) == (s["step"] == 4) and "optimizer step and after" not in phases
@@ -89,15 +103,21 @@ def test_one_process_traces_its_steps_with_no_collective(runs, tmp_path, capsys)
     assert [s["step"] for s in steps] == [3, 4] and all(not s["collectives"] for s in steps)
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     # the micro-steps are the trainer's marks, forward and backward inside each, none of evaluation's
+    marked = micro_step_marks(trace)
     for s in steps:
-        marks = sorted((e for e in events if e["name"].startswith(profiling.MICRO_STEP_MARK)
-                        and s["ts_us"] <= e["ts"] < s["ts_us"] + s["ms"] * 1000), key=lambda e: e["ts"])
+        marks = marked[s["step"]]
         assert [e["name"] for e in marks] == ["micro-step 1", "micro-step 2"]
         assert [m["forward"][0] for m in s["micro_steps"]] == [(e["ts"] - s["ts_us"]) / 1000 for e in marks]
         assert all(m["backward"] and m["forward"][1] == m["backward"][0] < m["backward"][1]
                    for m in s["micro_steps"])
     first = min(e["ts"] for e in events if e["name"].startswith("ProfilerStep#"))
     assert all(e["ts"] >= first for e in events if e.get("cat") == "cpu_op")  # nothing before the traced steps
+    # nor after them, nor between: the profiler stops after the last; every event of the training
+    # thread lies within a step's mark (1 µs: the trace's rounding)
+    step_marks = [e for e in events if e["name"].startswith("ProfilerStep#")]
+    outside = [e["name"] for e in events if e["tid"] == step_marks[0]["tid"] and not any(
+        m["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= m["ts"] + m["dur"] + 1 for m in step_marks)]
+    assert not outside, f"{len(outside)} events outside the traced steps: {outside[:5]}"
     assert [row["step"] for row in metrics(out) if "loss" in row] == [2, 4, 6, 8]  # and trained on as always
     picture = tmp_path / "step.png"
     assert script_in_process("tools/draw_trace.py", [*map(str, traces(runs("ddp2_profiled", "train_ddp.py",
@@ -168,6 +188,48 @@ def test_a_cpu_steps_figures_are_the_operators_own_time_and_the_marks(tmp_path):
     assert s["collectives"] == [{"kind": "all-reduce", "phase": "backward 1", "start": 0.43, "end": 0.63,
                                  "elements": 40}]
     assert s["optimizer"] == 0.8
+
+
+def test_a_cpu_steps_compute_is_the_training_threads_alone(tmp_path):
+    """Compute on a CPU is the training thread's: gloo's threads run ATen operators too (copies
+    of the tensors they move), and they are communication, counted there."""
+    gloo_copy = event("aten::copy_", 560, 60, tid=2)  # inside gloo's all-reduce, 430-630
+    (s,) = trace_summary.summarize(write_trace(tmp_path / "rank0.steps7-7.pt.trace.json", [*a_cpu_step(), gloo_copy]))
+    assert s["compute_ms"] == pytest.approx(0.31) and s["communication_ms"] == pytest.approx(0.2)
+
+
+def a_gpu_step() -> list[dict]:
+    """One step of 1,000 µs on the host, made by hand, whose GPU runs it later: its mark on
+    the GPU's stream spans 200-1,100. Kernels: 150-250 (the step before's, half of it in the
+    span), 300-500 and 450-600 (one on another stream: 300 µs of union), NCCL's all-reduce
+    550-750, launched at 400 in backward (autograd's device thread, 300-500), and 1,150-1,200
+    (the next step's)."""
+    def kernel(name, ts, dur, stream=7, **more):
+        return event(name, ts, dur, cat="kernel", pid=0, tid=stream, **more)
+    return [event("ProfilerStep#7", 0, 1000, cat="user_annotation"),
+            event("ProfilerStep#7", 200, 900, cat="gpu_user_annotation", pid=0, tid=7),
+            event("micro-step 1", 50, 500, cat="user_annotation"),
+            event("autograd::engine::evaluate_function: MmBackward0", 300, 200, tid=3),
+            event("nccl:all_reduce", 400, 5, cat="user_annotation", args={"External id": 9}),
+            kernel("void elementwise_kernel", 150, 100), kernel("sm90_gemm", 300, 200),
+            kernel("sm90_gemm", 450, 150, stream=8),
+            kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 550, 200, stream=9, args={"External id": 9}),
+            kernel("void elementwise_kernel", 1150, 50)]
+
+
+def test_a_gpu_steps_figures_are_its_kernels_within_the_gpus_own_span(tmp_path):
+    """On a GPU, compute is the union of the kernels within the span the GPU marks (not the
+    host's, which runs ahead), NCCL's left out: they are communication, the kernels its
+    launch ran; overlapped is where both ran. A world of one (tests/fixtures' trace) has no
+    NCCL kernel to tell them apart: this one has."""
+    (s,) = trace_summary.summarize(write_trace(tmp_path / "rank0.steps7-7.pt.trace.json", a_gpu_step()))
+    assert s["ms"] == 1.0 and (s["gpu"]["start"], s["gpu"]["end"]) == (0.2, 1.1)
+    assert s["compute_ms"] == pytest.approx(0.35)  # 200-250 and 300-600
+    assert s["communication_ms"] == pytest.approx(0.2) and s["overlapped_ms"] == pytest.approx(0.05)  # 550-600
+    assert s["gpu"]["kernels"] == [(0.2, 0.25, "compute"), (0.3, 0.6, "compute"), (0.55, 0.75, "all-reduce")]
+    assert s["micro_steps"] == [{"forward": (0.05, 0.3), "backward": (0.3, 0.5)}]
+    assert s["collectives"] == [{"kind": "all-reduce", "phase": "backward 1", "start": 0.4, "end": 0.75,
+                                 "elements": None}]
 
 
 # ---- a GPU's step: an H100's trace (tests/fixtures/README.md) -----------------------------
@@ -354,9 +416,11 @@ def test_a_trace_that_cannot_be_written_is_a_warning_and_the_run_trains_on(runs,
     assert list((out / "profile").iterdir()) == [] and (out / "model.pt").is_file()
 
 
-def test_writing_the_trace_is_not_training_time(runs, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("script", ["train_dp.py", "train_ddp.py", "train_fsdp.py"])  # each keeps its own time
+def test_writing_the_trace_is_not_training_time(runs, tmp_path, monkeypatch, capsys, script):
     """The trace is written after its last step; an hour spent writing it (a clock moved on by
-    the writing) shows in no logged speed and not in the summary's time."""
+    the writing) shows in no logged speed and not in the summary's time. (The torchrun scripts
+    in a world of one: their loops pause the clock as train_dp.py's does.)"""
     import time
     clock = {"ahead": 0.0}
     real_clock, real_export = time.perf_counter, torch.profiler.profile.export_chrome_trace
@@ -367,7 +431,7 @@ def test_writing_the_trace_is_not_training_time(runs, tmp_path, monkeypatch, cap
         return real_export(self, path)
     monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", slow_export)
     out = tmp_path / "run"
-    printed = run_in_process_printing("train_dp.py", profile_args(runs, out, "--profile", "--log-every", "1"))
+    printed = run_in_process_printing(script, profile_args(runs, out, "--profile", "--log-every", "1"))
     reference = [row for row in metrics(runs("dp", "train_dp.py")) if "tokens_per_s" in row]
     slowest = min(row["tokens_per_s"] for row in reference)
     assert all(row["tokens_per_s"] > slowest / 100 for row in metrics(out) if "tokens_per_s" in row)
@@ -394,7 +458,9 @@ def with_profile_folder(kind: str, out: Path):
     (["--profile", "--profile-steps", "150"], "--profile-steps must be at most 10, got 150"),
     (["--profile", "--profile-warmup", "7"], "--profile would trace steps 8-9, and this run ends at step 8: lower"),
     (["--profile", "--profile-warmup", str(10**12)], "--profile would trace steps 1000000000001-1000000000002, and"),
-], ids=["steps-without-profile", "warmup-without-profile", "too-many-steps", "past-the-end", "warmup-huge"])
+    (["--profile", "--stop-at-step", "4"], "--profile would trace steps 4-5, and this run ends at step 4: lower"),
+], ids=["steps-without-profile", "warmup-without-profile", "too-many-steps", "past-the-end", "warmup-huge",
+        "past-the-stop"])
 def test_profile_flags_that_cannot_be_kept_are_one_line_before_anything_is_written(runs, tmp_path, capsys, args,
                                                                                   message):
     out = tmp_path / "run"
