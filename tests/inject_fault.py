@@ -6,6 +6,9 @@ it strikes (counted by calls to AdamW.step, once per step), FAULT_RANK the rank 
 first attempt only: after torchrun restarts the workers, the run goes on unharmed.
     kill              SIGKILL this process (a dead GPU, the OOM killer); with FAULT_AFTER_FILE, once
                       that file exists (a checkpoint its background writer must finish first)
+    kill-exporting    (with --profile) the same, while the trace is written: what kineto, the
+                      profiler's exporter, leaves then, the first half of its NAME.tmp (FAULT_STEP
+                      is unused)
     sigterm-launcher  what `scancel` or a preempting scheduler does: SIGTERM to torchrun,
                       which forwards it to every worker. This rank also gets it at once.
     sigusr1           SIGUSR1 to this process (Slurm's warning before the time limit)
@@ -70,13 +73,17 @@ def patch(obj, name, value):
     setattr(obj, name, value)
 
 
+def kill():
+    if "FAULT_AFTER_FILE" in os.environ:  # e.g. a checkpoint, written in the background: complete first
+        deadline = time.monotonic() + 120
+        while not Path(os.environ["FAULT_AFTER_FILE"]).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def strike():
     if "kill" in faults:
-        if "FAULT_AFTER_FILE" in os.environ:  # e.g. a checkpoint, written in the background: complete first
-            deadline = time.monotonic() + 120
-            while not Path(os.environ["FAULT_AFTER_FILE"]).exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGKILL)
+        kill()
     if "sigterm-launcher" in faults:
         signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # this rank's copy arrives now
         os.kill(os.getppid(), signal.SIGTERM)  # torchrun forwards it to the others, later
@@ -113,6 +120,17 @@ if "slow-disk" in faults and armed:
 
     patch(pt_checkpoint, "save_checkpoint", slow(pt_checkpoint.save_checkpoint))
     patch(FileSystemWriter, "write_data", slow(FileSystemWriter.write_data))  # train_fsdp.py's shards
+
+if "kill-exporting" in faults and armed:
+    real_export = torch.profiler.profile.export_chrome_trace
+
+    def killed_exporting(self, path):
+        real_export(self, path)  # kineto writes path.tmp, then renames it to path
+        torn = Path(path).rename(path + ".tmp")
+        os.truncate(torn, torn.stat().st_size // 2)  # as it stood halfway through the write
+        kill()
+
+    patch(torch.profiler.profile, "export_chrome_trace", killed_exporting)
 
 if "slow-prepare" in faults and armed:
     from training import run_data

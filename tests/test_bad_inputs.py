@@ -55,9 +55,9 @@ def refused_in_process(script, args, out_dir, message, capsys):
     assert snapshot(out_dir) == before  # nothing created, nothing overwritten
 
 
-def check_refused(script, args, out_dir, message, nproc=0):
+def check_refused(script, args, out_dir, message, nproc=0, timeout=600):
     before = snapshot(out_dir) if out_dir.exists() else None
-    proc = run_script(script, [*args, "--out-dir", str(out_dir)], nproc=nproc, check=False)
+    proc = run_script(script, [*args, "--out-dir", str(out_dir)], nproc=nproc, check=False, timeout=timeout)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

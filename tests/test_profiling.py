@@ -22,7 +22,8 @@ import torch
 from conftest import (FAST, MODEL, REPO, ddp_two_ranks, launch_env, metrics, run_script, script_in_process,
                       stopped_at_step_4, without_speed)
 from model import PRESETS
-from test_bad_inputs import refused_in_process, snapshot
+from test_bad_inputs import check_refused, refused_in_process, snapshot
+from test_failures import checkpoint_step, fault_env
 from tools import draw_trace, trace_summary
 from training import profiling
 
@@ -402,8 +403,8 @@ def test_an_error_while_the_profiler_records_is_one_line_and_keeps_the_trace(run
 
 
 def test_a_trace_that_cannot_be_written_is_a_warning_and_the_run_trains_on(runs, tmp_path, monkeypatch, capsys):
-    """A full disk when the trace is written: a warning naming it, nothing half-written left,
-    and the run's own files written as ever."""
+    """A full disk when the trace is written, an exporter that says so (ENOSPC): a warning that
+    the disk is full, nothing half-written left, and the run's own files written as ever."""
     def full_disk(self, path):
         Path(path).write_bytes(b"{\"traceEv")
         raise OSError(28, "No space left on device")
@@ -411,9 +412,86 @@ def test_a_trace_that_cannot_be_written_is_a_warning_and_the_run_trains_on(runs,
     out = tmp_path / "run"
     assert script_in_process("train_dp.py", profile_args(runs, out, "--profile")) == 0
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("warning", "error"))]
-    assert err == [f"warning: --profile: rank 0's trace of steps 4-5 was not written to {out / 'profile'}: "
-                   "[Errno 28] No space left on device"]
+    assert len(err) == 1 and err[0].startswith(f"warning: --profile: rank 0's trace of steps 4-5 was not written to "
+                                               f"{out / 'profile'}: the disk mounted at /") and " is full (" in err[0]
     assert list((out / "profile").iterdir()) == [] and (out / "model.pt").is_file()
+
+
+def small_disks_here(tmp_path) -> bool:
+    """Whether this machine lets a test mount a disk of its own (a tmpfs, in a user and mount
+    namespace of its own: no root needed, and gone with the process)."""
+    try:
+        return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "mount", "-t", "tmpfs", "-o",
+                               "size=1m", "tmpfs", str(tmp_path)], capture_output=True, timeout=60).returncode == 0
+    except OSError:
+        return False
+
+
+def test_a_disk_that_fills_while_the_trace_is_written_is_a_warning_and_the_checkpoint_still_fits(runs, tmp_path):
+    """A real disk, which holds the run's files with 0.5 MB to spare, not a trace of 4 steps
+    (5 MB). kineto raises nothing when its write fails, leaves its NAME.tmp as far as it got,
+    and keeps it open while the profiler's results live: the warning says that the disk is
+    full, no partial file of any name is left, nor held open, and the checkpoint of step 8 and
+    model.pt still fit. (Before: an ENOENT warning; `rank0.steps4-7.tmp.tmp` took the space,
+    and the run ended with exit 2 and no checkpoint of step 8.)"""
+    if not small_disks_here(tmp_path):
+        pytest.skip("this machine does not let a test mount a small disk (unshare --user --mount)")
+    reference = runs("dp", "train_dp.py")  # a run's files, each counted once (checkpoint.pt: a second name)
+    run_bytes = sum({p.stat().st_ino: p.stat().st_size for p in reference.iterdir() if p.is_file()}.values())
+    disk, kept = tmp_path / "disk", tmp_path / "kept"
+    disk.mkdir()
+    mounted = f'mount -t tmpfs -o size={run_bytes + 2**19} tmpfs "$0" && "$@"; status=$?; cp -a "$0/run" {kept}; ' \
+              "exit $status"  # the disk is gone with the process: what the run left there is kept
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mounted, str(disk),
+                           sys.executable, str(REPO / "train_dp.py"), *profile_args(runs, disk / "run", "--profile",
+                                                                                    "--profile-steps", "4")],
+                          cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=600)
+    said = [line for line in proc.stderr.replace("\r", "\n").splitlines()
+            if line.startswith(("warning", "error", "Traceback"))]
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert said == [f"warning: --profile: rank 0's trace of steps 4-7 was not written to {disk / 'run' / 'profile'}: "
+                    f"the disk mounted at {disk} is full (0.0 MB free)"]
+    assert list((kept / "profile").iterdir()) == []  # hidden names too
+    assert checkpoint_step(kept) == 8 and (kept / "model.pt").is_file()
+
+
+def test_a_trace_killed_while_written_leaves_partial_files_that_the_resume_deletes_and_no_other(runs, tmp_path):
+    """kill -9 while kineto writes the trace: its half-written file has a name of the
+    project's own, which the resumed run deletes; a file or folder of the user's in
+    OUT/profile, whatever its name, stays. (Before: `rank0.steps4-5.tmp.tmp`, left for good.)"""
+    out, profile = tmp_path / "run", tmp_path / "run" / "profile"
+    env = {**fault_env(tmp_path, "kill-exporting", step=0), "FAULT_AFTER_FILE": str(out / "checkpoint.pt")}
+    proc = run_script("train_dp.py", profile_args(runs, out, "--profile"), wrapper="tests/inject_fault.py", env=env,
+                      check=False)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    killed = profile / ".rank0.steps4-5.pt.trace.json.partial.tmp"  # kineto's own .tmp of the project's name
+    assert list(profile.iterdir()) == [killed]
+    (profile / "notes.tmp").write_text("the user's")
+    (profile / "rank0.steps4-5.tmp").write_text("the user's, where the trace was once written")
+    (profile / ".rank0.steps9-9.pt.trace.json.partial").mkdir()  # a name of the project's, but no file
+    (profile / ".rank0.steps9-9.pt.trace.json.partial" / "x").write_text("the user's")
+    (profile / ".rank0.steps9-9.pt.trace.json.partial.tmp").symlink_to(profile / "notes.tmp")
+    users = {name: seen for name, seen in snapshot(profile).items() if name != killed.name}
+    assert script_in_process("train_dp.py", profile_args(runs, out, "--resume")) == 0
+    assert snapshot(profile) == users and sorted(users) == [
+        ".rank0.steps9-9.pt.trace.json.partial", ".rank0.steps9-9.pt.trace.json.partial.tmp",
+        ".rank0.steps9-9.pt.trace.json.partial/x", "notes.tmp", "rank0.steps4-5.tmp"]
+
+
+def test_a_users_folder_where_the_trace_was_once_written_is_left_alone(runs, tmp_path):
+    """`rank0.steps7-8.tmp`, the name a trace was once written under, is a name the user may
+    use: the run traces beside it. (Before: the user's folder renamed to the trace's name, the
+    trace left as `.tmp.tmp`, exit 0.)"""
+    half = stopped_at_step_4(runs, tmp_path)  # resumed at 4, 2 warm-up steps: steps 7 and 8 traced
+    users = half / "profile" / "rank0.steps7-8.tmp"
+    users.mkdir(parents=True)
+    (users / "x").write_text("the user's")
+    assert script_in_process("train_dp.py", ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(half),
+                                             "--resume", "--profile", "--profile-warmup", "2"]) == 0
+    assert sorted(p.name for p in (half / "profile").iterdir()) == ["rank0.steps7-8.pt.trace.json",
+                                                                    "rank0.steps7-8.tmp"]
+    assert [p.name for p in users.iterdir()] == ["x"] and (users / "x").read_text() == "the user's"
+    assert [s["step"] for s in trace_summary.summarize(half / "profile" / "rank0.steps7-8.pt.trace.json")] == [7, 8]
 
 
 @pytest.mark.parametrize("script", ["train_dp.py", "train_ddp.py", "train_fsdp.py"])  # each keeps its own time
@@ -448,8 +526,18 @@ def with_profile_folder(kind: str, out: Path):
     if kind == "a-file":
         out.mkdir(parents=True, exist_ok=True)
         profile.write_text("not a folder")
+    elif kind == "a-dangling-link":
+        profile.symlink_to(out / "elsewhere")
     elif kind == "trace-name-a-folder":
-        (profile / "rank0.steps8-8.pt.trace.json").mkdir(parents=True)
+        (profile / "rank0.steps7-8.pt.trace.json").mkdir(parents=True)
+    elif kind == "stopped-trace-name-a-file":  # the name of a trace of step 7 alone: a run stopped after it
+        profile.mkdir()
+        (profile / "rank0.steps7-7.pt.trace.json").write_text("a trace of an earlier session")
+    elif kind == "partial-name-a-folder":
+        (profile / ".rank0.steps7-8.pt.trace.json.partial").mkdir(parents=True)
+    elif kind == "partial-name-a-link":  # the write would go where it points
+        profile.mkdir()
+        (profile / ".rank0.steps7-7.pt.trace.json.partial").symlink_to(out / "config.json")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -470,14 +558,33 @@ def test_profile_flags_that_cannot_be_kept_are_one_line_before_anything_is_writt
 
 @pytest.mark.parametrize("kind, message", [
     ("a-file", "profile is not a folder, and --profile writes its traces there: move it away"),
-    ("trace-name-a-folder", "profile/rank0.steps8-8.pt.trace.json exists (a trace of an earlier session"),
+    ("a-dangling-link", "/profile is a link to {half}/elsewhere, which does not exist, and --profile writes its "
+                        "traces there: create that folder or remove the link"),
+    ("trace-name-a-folder", "profile/rank0.steps7-8.pt.trace.json exists (a trace of an earlier session"),
+    ("stopped-trace-name-a-file", "profile/rank0.steps7-7.pt.trace.json exists (a trace of an earlier session"),
+    ("partial-name-a-folder", "profile/.rank0.steps7-8.pt.trace.json.partial is in the way of --profile, which "
+                              "writes its trace there first: move it away"),
+    ("partial-name-a-link", "profile/.rank0.steps7-7.pt.trace.json.partial is in the way of --profile"),
 ])
 def test_a_resumed_runs_profile_folder_that_cannot_take_the_trace_is_one_line_first(runs, tmp_path, capsys, kind,
                                                                                    message):
-    half = stopped_at_step_4(runs, tmp_path)  # resumed at 4, traced: 4 + 1 + 3 warm-up steps = step 8
+    """Whatever of the user's sits where the trace of steps 7-8 would be written, under any name
+    it takes while written or once stopped short, or a link to nowhere in place of the folder."""
+    half = stopped_at_step_4(runs, tmp_path)  # resumed at 4, traced: 4 + 1 + 2 warm-up steps = steps 7 and 8
     with_profile_folder(kind, half)
     refused_in_process("train_dp.py", ["--dataset", str(runs.corpus), *FAST, "--resume", "--profile",
-                                       "--profile-steps", "1"], half, message, capsys)
+                                       "--profile-warmup", "2"], half, message.format(half=half), capsys)
+
+
+def test_a_fifo_where_kineto_writes_is_one_line_first(runs, tmp_path):
+    """kineto's open of a FIFO would wait for a reader forever, holding the GIL, where no
+    timeout of pytest's ends it: run in a process of its own, with a timeout of its own."""
+    half = stopped_at_step_4(runs, tmp_path)
+    (half / "profile").mkdir()
+    os.mkfifo(half / "profile" / ".rank0.steps7-8.pt.trace.json.partial.tmp")
+    check_refused("train_dp.py", ["--dataset", str(runs.corpus), *FAST, "--resume", "--profile", "--profile-warmup",
+                                  "2"], half, "profile/.rank0.steps7-8.pt.trace.json.partial.tmp is in the way of "
+                  "--profile", timeout=120)
 
 
 def test_a_resume_traces_its_own_steps_and_the_default_warmup_past_the_end_is_refused(runs, tmp_path, capsys):

@@ -59,17 +59,26 @@ def raise_if_disk_full(error: BaseException, path: Path, needed: int):
 
 def disk_full(error: BaseException, path: Path, needed: int) -> str | None:
     """The line for a write of `needed` bytes to `path` that failed for want of space, or None
-    if it failed for another reason. torch.save does not always say so itself ("unexpected
-    pos"): then the free space decides."""
+    if it failed for another reason."""
+    full = out_of_space(error, path.parent, needed)
+    if full is None:
+        return None
+    free, mount = full
+    return (f"no space left to write {path} (on the disk mounted at {mount}): it needs about "
+            f"{needed / 1e6:,.1f} MB, {free / 1e6:,.1f} MB are free. Free some space, then run again "
+            "(with --resume if a checkpoint was saved)")
+
+
+def out_of_space(error: BaseException, folder: Path, needed: int) -> tuple[int, Path] | None:
+    """(the bytes free, where the disk is mounted) if a write of `needed` bytes into `folder`
+    failed for want of space, else None. torch.save does not always say so itself ("unexpected
+    pos"), nor does kineto, the profiler's exporter: then the free space decides."""
     try:
-        free = shutil.disk_usage(path.parent).free
+        free = shutil.disk_usage(folder).free
     except OSError:
         return None
     if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < needed:
-        mount = next(p for p in [path.parent.absolute(), *path.parent.absolute().parents] if os.path.ismount(p))
-        return (f"no space left to write {path} (on the disk mounted at {mount}): it needs about "
-                f"{needed / 1e6:,.1f} MB, {free / 1e6:,.1f} MB are free. Free some space, then run again "
-                "(with --resume if a checkpoint was saved)")
+        return free, next(p for p in [folder.absolute(), *folder.absolute().parents] if os.path.ismount(p))
     return None
 
 

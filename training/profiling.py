@@ -9,8 +9,11 @@ shows how to read one.
 The profiler starts at the first profiled step and stops after the last: nothing is recorded
 outside them, and a run without --profile makes no profiler at all. Everything it will need
 is checked before the run writes anything (the steps it traces are steps the run takes, the
-folder can take the files); and however the run ends (an error, a signal, a full disk), the
-profiler is stopped and what it recorded kept, or nothing left behind.
+folder can take the files, nothing of the user's sits at a name it writes); and however the run
+ends (an error, a signal, a full disk), the profiler is stopped and what it recorded kept, or
+nothing left behind. Each file is written under a hidden name of the project's own
+(run_folder.partial_trace), renamed once whole: a session killed while writing leaves only such
+names, which the run's next session deletes (run_folder.remove_temp_files).
 """
 
 import contextlib
@@ -23,14 +26,20 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from training import stopping
+from training import files, stopping
 from training.errors import UsageError, first_line
-from training.run_folder import PROFILE
+from training.run_folder import PROFILE, partial_trace
 
 STEP_MARK = "ProfilerStep#"  # what torch.profiler's own schedule names a step: TensorBoard's view reads it
 MICRO_STEP_MARK = "micro-step "  # each micro-step's forward and backward, numbered from 1 (micro_steps)
 EVALUATION_MARK = "evaluation"  # evaluation.evaluate: its forwards are no micro-step's
 DATA_WAIT_MARK = "data wait"  # read_ahead.ReadAhead: the loop waiting for its next step's batches
+TRACE, MEMORY = ".pt.trace.json", ".memory.pickle"  # the suffixes of a trace and of a CUDA memory snapshot
+KINETO_TMP = ".tmp"  # kineto, the profiler's exporter, writes NAME.tmp for the NAME it is given, renamed when done
+# A write kineto failed tells no errno (it prints a line, leaves its NAME.tmp as far as it got, and
+# returns): less free space than this then is a full disk, which the write it was flushing (kilobytes
+# of its stream's buffer) met.
+KINETO_ROOM = 2**20
 
 
 class Profiler:
@@ -63,11 +72,22 @@ class Profiler:
             resumed = f" (resumed after step {first_step})" if first_step else ""
             return (f"--profile would trace steps {self.first}-{self.last}, and this run ends at step {last_step}"
                     f"{resumed}: lower --profile-warmup or --profile-steps")
+        if self.out.is_symlink() and not self.out.exists():
+            return (f"{self.out} is a link to {os.readlink(self.out)}, which does not exist, and --profile writes "
+                    "its traces there: create that folder or remove the link")
         if self.out.exists() and not self.out.is_dir():
             return f"{self.out} is not a folder, and --profile writes its traces there: move it away"
-        trace = self.out / f"{self.name()}.pt.trace.json"
-        if os.path.lexists(trace):
-            return f"{trace} exists (a trace of an earlier session of this run): move it away to trace these steps"
+        # every name it may write: the steps planned, or fewer (a run stopped within them), and each one's
+        # partial names, where a regular file is a killed session's partial trace (rank 0 deleted it on
+        # taking the folder, or the write replaces it) and anything else the user's
+        for last in range(self.first, self.last + 1):
+            for final in self._files(last):
+                if os.path.lexists(final):
+                    return (f"{final} exists (a trace of an earlier session of this run): move it away to trace "
+                            "these steps")
+                for partial in _in_progress(final):
+                    if os.path.lexists(partial) and (partial.is_symlink() or not partial.is_file()):
+                        return f"{partial} is in the way of --profile, which writes its trace there first: move it away"
         folder = self.out if self.out.exists() else self.out.parent
         if folder.exists() and not os.access(folder, os.W_OK | os.X_OK):
             return f"--profile: no permission to write in {folder}"
@@ -76,6 +96,11 @@ class Profiler:
     def name(self, first: int | None = None, last: int | None = None) -> str:
         """The trace's file name without its suffix: the steps planned, or those recorded."""
         return f"rank{self.rank}.steps{self.first if first is None else first}-{self.last if last is None else last}"
+
+    def _files(self, last: int) -> list[Path]:
+        """The files of a trace of steps first .. last: the trace, and on CUDA the memory snapshot."""
+        return [self.out / f"{self.name(self.first, last)}{suffix}"
+                for suffix in ([TRACE, MEMORY] if self.device.type == "cuda" else [TRACE])]
 
     def begin(self, step: int):
         if not self.enabled or not self.first <= step <= self.last:
@@ -126,17 +151,13 @@ class Profiler:
             self.mark = None
         with _quiet_stderr():
             profiler.stop()
-        name = self.name(self.steps[0], self.steps[-1])
-        tmp = self.out / f"{name}.tmp"
+        trace, *memory = self._files(self.steps[-1])
         try:
             self.out.mkdir(parents=True, exist_ok=True)
-            profiler.export_chrome_trace(str(tmp))
-            os.replace(tmp, self.out / f"{name}.pt.trace.json")  # whole or not at all
-            if self.device.type == "cuda":
-                torch.cuda.memory._dump_snapshot(str(tmp))
-                os.replace(tmp, self.out / f"{name}.memory.pickle")
+            _write_whole(lambda path: _export_trace(profiler, path), trace)
+            if memory:
+                _write_whole(lambda path: torch.cuda.memory._dump_snapshot(str(path)), memory[0])
         except (OSError, RuntimeError) as e:  # a full disk, a folder gone read-only: each rank says its own
-            tmp.unlink(missing_ok=True)
             tqdm.write(f"warning: --profile: rank {self.rank}'s trace of steps {self.steps[0]}-{self.steps[-1]} was "
                        f"not written to {self.out}: {first_line(e)}", file=sys.stderr)  # (below the progress bar)
         finally:
@@ -145,11 +166,50 @@ class Profiler:
             self.writing_seconds += time.perf_counter() - started
 
 
+def _export_trace(profiler: torch.profiler.profile, path: Path):
+    """The trace, written by kineto at path. kineto keeps the file it wrote open as long as the
+    profiler's results live, which a reference cycle keeps until the garbage collector runs: a
+    partial file, deleted, would hold its space on a full disk until then. Freed at once."""
+    try:
+        profiler.export_chrome_trace(str(path))
+    finally:
+        profiler.profiler.kineto_results = None
+
+
+def _in_progress(final: Path) -> list[Path]:
+    """The names `final` is written under before it is renamed to it: its partial name, and
+    for a trace kineto's own .tmp of that."""
+    partial = partial_trace(final)
+    return [partial, partial.with_name(partial.name + KINETO_TMP)] if final.name.endswith(TRACE) else [partial]
+
+
+def _write_whole(export, final: Path):
+    """export(path) writes a file at path; here it becomes `final` whole, or no file is left
+    under any of the names it was written under (a full disk: the space is the run's own files'
+    again). Why it failed is said in the error: a full disk says so, as kineto does not."""
+    partial = partial_trace(final)
+    try:
+        with _quiet_stderr():  # kineto's own line on a failed write ("Failed to write to log file!")
+            export(partial)
+        if not partial.is_file():  # kineto raises nothing: a failed write leaves its .tmp unrenamed
+            raise OSError(f"torch.profiler's exporter did not finish {partial.name}{KINETO_TMP}")
+        os.replace(partial, final)
+    except (OSError, RuntimeError) as e:
+        full = files.out_of_space(e, final.parent, KINETO_ROOM)  # while the partial file still takes its space
+        if full:
+            free, mount = full
+            raise OSError(f"the disk mounted at {mount} is full ({free / 1e6:,.1f} MB free)") from None
+        raise
+    finally:
+        for path in _in_progress(final):
+            path.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def _quiet_stderr():
     """Around the profiler's start and stop, which print a line each to the process's stderr
-    from C++ (kineto's "USDT: ... profiler_start"), whatever its log level: a run's stderr is
-    its one-line errors and warnings."""
+    from C++ (kineto's "USDT: ... profiler_start"), whatever its log level, and its export: a
+    run's stderr is its one-line errors and warnings."""
     sys.stderr.flush()
     saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)

@@ -23,6 +23,9 @@ CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS = (
     "checkpoint.pt", "model.pt", "tokenizer.json", "config.json", "metrics.jsonl")
 TENSORBOARD, WANDB_RUN = "tensorboard", "wandb-run.txt"  # --tensorboard's event files, --wandb's run id
 PROFILE = "profile"  # --profile's traces (profiling.py)
+# a trace (or memory snapshot) in OUT/profile while it is written: .<its name>.partial, and kineto's own
+# .partial.tmp beside it (profiling.py). Hidden names no user's file has: a run deletes the ones a killed session left.
+PARTIAL_TRACE = re.compile(r"\.rank\d+\.steps\d+-\d+\.(pt\.trace\.json|memory\.pickle)\.partial(\.tmp)?")
 RUN_FILES = (CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS, TENSORBOARD, WANDB_RUN, PROFILE)  # + checkpoint-<step>.pt
 FOLDERS = (TENSORBOARD, PROFILE)  # of RUN_FILES, the folders
 NUMBERED = re.compile(r"checkpoint-(\d{8,})\.pt")  # checkpoint-00000400.pt: the step, 8 digits or more
@@ -83,12 +86,21 @@ def check_writable(out_dir: str, name: str = "--out-dir"):
         raise UsageError(f"{name} {out_dir}: no permission to write in {existing}")
 
 
+def partial_trace(final: Path) -> Path:
+    """The name profiling.py writes `final` under before renaming it (PARTIAL_TRACE's form)."""
+    return final.with_name(f".{final.name}.partial")
+
+
 def remove_temp_files(out: Path):
     """Delete the temp files a crash (or a full disk) left behind in a run's folder: only the
-    names atomic_save gives, and only while this run holds the folder's lock."""
+    names atomic_save gives and the partial traces in OUT/profile (regular files alone: a
+    folder or a link there is the user's), and only while this run holds the folder's lock."""
     ours = [out / (name + ".tmp") for name in RUN_FILES]
     ours += [p for p in out.glob("checkpoint-*.tmp") if NUMBERED.fullmatch(p.name[:-len(".tmp")])
              or NUMBERED_DIR.fullmatch(p.name[:-len(".tmp")])]
+    profile = out / PROFILE
+    if profile.is_dir() and os.access(profile, os.R_OK | os.X_OK):
+        ours += [p for p in profile.iterdir() if PARTIAL_TRACE.fullmatch(p.name) and p.is_file() and not p.is_symlink()]
     for tmp in ours:
         if tmp.is_dir() and not tmp.is_symlink():
             shutil.rmtree(tmp)  # a sharded checkpoint that not every rank finished
