@@ -221,21 +221,11 @@ def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int) -> dat
     key = datasets.fingerprint.Hasher.hash([texts._fingerprint, tokenizer.to_str(), seq_len, ENCODING_CODE])
     with _tokenizer_threads(1 if num_proc > 1 else None):
         return caches.cached_map(
-            texts, key, "the cached windows", "tokenizing the corpus again", lambda w: wrong_windows(w, seq_len),
+            texts, key, "the cached windows", "tokenizing the corpus again",
+            lambda windows: caches.wrong_windows(window_targets(windows), seq_len),
             function=_encode, batched=True, remove_columns=["text"], num_proc=num_proc if num_proc > 1 else None,
             fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "exact_cuts": exact_cuts},
             features=datasets.Features({"input_ids": datasets.Sequence(ids)}), desc="tokenizing")
-
-
-def wrong_windows(windows: datasets.Dataset, seq_len: int) -> str | None:
-    """What is wrong with windows cut for seq_len (None: nothing): each holds 2 to seq_len + 1
-    tokens, a target at least. (Their type `datasets` checks as it reads them back.)"""
-    targets = window_targets(windows)
-    if (targets < 1).any():
-        return f"holds {(targets < 1).sum():,} windows without a target (fewer than 2 tokens)"
-    if (targets > seq_len).any():
-        return f"holds a window of {targets.max() + 1:,} tokens, more than --seq-len + 1 ({seq_len + 1})"
-    return None
 
 
 # The code that cuts documents into windows, in the windows' cache key: edited, it may cut otherwise

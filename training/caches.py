@@ -52,6 +52,17 @@ def cached_map(ds: datasets.Dataset, key: str, what: str, again: str, wrong, **m
     return result
 
 
+def wrong_windows(targets, seq_len: int) -> str | None:
+    """What is wrong with windows cut for seq_len, each with `targets` real targets (None:
+    nothing): each holds 2 to seq_len + 1 tokens, a target at least. (Their type `datasets`
+    checks as it reads them back.)"""
+    if (targets < 1).any():
+        return f"holds {(targets < 1).sum():,} windows without a target (fewer than 2 tokens)"
+    if (targets > seq_len).any():
+        return f"holds a window of {targets.max() + 1:,} tokens, more than --seq-len + 1 ({seq_len + 1})"
+    return None
+
+
 class ReadBack:
     """The cache files of a dataset as the run opened them, checked before each read: `datasets`
     maps them into memory, so a file truncated in place would kill the process with SIGBUS at
