@@ -669,6 +669,36 @@ def test_gradients_that_vanish_with_the_loss_where_it_began_name_the_compiler_on
     stopping.Divergence(LR_100, vocab_size=300).check(10, 5.8, 1e-30)  # tiny, not 0: it trains
 
 
+@pytest.mark.parametrize("script", ["train_dp.py", "train_ddp.py", "train_fsdp.py"])
+def test_weights_made_non_finite_by_a_step_that_logs_no_loss_are_never_saved(runs, tmp_path, script, monkeypatch,
+                                                                            capsys):
+    """A step's logged loss was computed before its update, and the update itself can leave a
+    weight non-finite (AdamW overflowing, a bad gradient) while every loss logged is finite:
+    each script checks the weights themselves before every save, on every rank. A weight made
+    NaN by the update of step 3, which logs nothing (--log-every 2), ends the run with one line
+    at step 3, before checkpoint 3 is written; those of steps 1 and 2 stay. (The --lr 100 run
+    below never needs this check: its loss turns non-finite first.)"""
+    real_step, steps = torch.optim.AdamW.step, []
+
+    def step_then_spoil_a_weight(self, *args, **kwargs):
+        result = real_step(self, *args, **kwargs)
+        steps.append(1)
+        if len(steps) == 3:
+            weight = self.param_groups[0]["params"][0]
+            with torch.no_grad():  # under FSDP, this rank's shard
+                (weight.to_local() if hasattr(weight, "to_local") else weight).view(-1)[0] = float("nan")
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step_then_spoil_a_weight)
+    out = tmp_path / "run"
+    assert script_in_process(script, train_args(runs, out, "--save-every", "1")) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: training diverged: the weights are not finite at step 3. Start again with a lower "
+                      "--lr (was 0.001) or a longer --warmup-steps (was 2)"]
+    saved = sorted(p.name.removesuffix(".pt") for p in out.glob("checkpoint-*"))
+    assert saved == ["checkpoint-00000001", "checkpoint-00000002"] and not (out / "model.pt").exists()
+
+
 @pytest.mark.parametrize("script, nproc", [("train_dp.py", 0), ("train_ddp.py", 2)])
 def test_a_diverging_run_stops_with_one_line_and_saves_nothing_non_finite(runs, tmp_path, script, nproc, capsys):
     """--lr 100 blows up within a few steps. The run stops at the first non-finite loss or

@@ -11,14 +11,16 @@ import pytest
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from conftest import (BF16, FAST, FLOOR_MULTIPLE, assert_follows_in_bf16, assert_same_model, assert_same_weights,
+from conftest import (BF16, FAST, FLOOR_MULTIPLE, MODEL, assert_follows_in_bf16, assert_same_model, assert_same_weights,
                       assert_within, ddp_two_ranks, load_weights, max_weight_diff, metrics, run_script, spied,
                       stopped_at_step_4, train, without_speed)
+import data
+from model import PRESETS
 from test_bad_inputs import refused_in_process
 from test_failures import RunsCode, exit_codes, fault_env
 from test_using_the_model import config_asking_for, expected_text
 from tools import export_hf, generate
-from training import weights
+from training import config, run_data, weights
 from training.errors import UsageError
 
 # Clipping is the one place where FSDP adds up in another order than DDP: it takes each
@@ -156,7 +158,7 @@ def test_a_preempted_run_stops_cleanly_and_resumes_on_1_and_4_ranks_within_round
     run_script("train_fsdp.py", args(runs, four_ranks, "--resume"), nproc=4)  # ...and for 4
     assert_same_weights(four_ranks, reference, floor)
     assert sorted(p.name for p in four_ranks.glob("checkpoint-*")) == ["checkpoint-00000004", "checkpoint-00000008"]
-    # 9 held-out documents over 4 ranks: 3 of them evaluate a padding sequence besides their 2
+    # 9 held-out documents, 23 windows, over 4 ranks: the last evaluates a padding sequence besides its 5
     assert_within("val losses", val_loss_distance(four_ranks, reference), floor.loss, FLOOR_MULTIPLE)
 
 
@@ -410,6 +412,42 @@ def test_a_sharded_save_builds_no_cuda_loader_in_dcps_writer_thread(world_of_one
         ".metadata", "__0_0.distcp", "train_state.pt"]
 
 
+def test_shard_makes_each_layer_the_embedding_and_the_norm_with_the_head_a_unit_gathered_in_the_compute_dtype(
+        world_of_one):
+    """train_fsdp.shard's units, as the README and docs/fsdp.md list them: each decoder layer,
+    the embedding, and the final norm with the LM head (one unit: backward starts with both),
+    then the root, which holds no weight of its own. Each unit is freed after its forward and
+    gathered again for backward, except the norm with the head, which backward needs first:
+    kept gathered. Every unit gathers in the compute dtype and reduces gradients in fp32 into
+    fp32 shards. None of this shows in a loss (a unit fewer, or gradients reduced in bf16,
+    train nearly the same model), so it is read from FSDP's own state (private: torch 2.13's
+    names)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    import train_fsdp
+    from model import LlamaConfig, LlamaForPretraining
+    model_config = LlamaConfig(vocab_size=97, max_position_embeddings=32, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = LlamaForPretraining(model_config)
+    train_fsdp.shard(model, init_device_mesh("cpu", (1,)), torch.bfloat16)
+    name = {module: name for name, module in model.named_modules()}
+    units = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and module is not model:
+            state = module._get_fsdp_state()
+            group = state._fsdp_param_group
+            units[tuple(name[m] for m in state._modules)] = (
+                len(group.fsdp_params), group.post_forward_mesh_info is not None,  # None: kept gathered
+                group.mp_policy.param_dtype, group.mp_policy.reduce_dtype)
+    resharded = (9, True, torch.bfloat16, torch.float32)  # a layer: 4 attention, 3 MLP matrices, 2 norms
+    assert units == {("base_model.layers.0",): resharded, ("base_model.layers.1",): resharded,
+                     ("base_model.embed_tokens",): (1, True, torch.bfloat16, torch.float32),
+                     ("base_model.norm", "lm_head"): (2, False, torch.bfloat16, torch.float32)}
+    assert isinstance(model, FSDPModule) and model._get_fsdp_state()._fsdp_param_group is None  # the root
+
+
 def test_a_usage_error_while_a_sharded_save_is_in_flight_ends_that_save_then_exits_with_one_line(runs, tmp_path):
     """The loss turns NaN at step 5 while the checkpoint of step 4 (finite, checked before it
     was saved) is still being written by every rank over the gloo group. Both ranks print one
@@ -439,6 +477,40 @@ def test_fsdp_builds_no_whole_model_and_draws_the_initial_weights_of_one_process
     result = json.loads(found.read_text())
     assert result["on_meta"] and result["names_equal"] and result["differ"] == [] and result["rope"]
     assert result["local"] <= result["total"] // 2 + 1_000  # this rank's half (a shard of uneven rows rounds up)
+
+
+def test_train_fsdp_gives_fully_shard_a_model_that_has_no_memory_yet(runs, tmp_path, monkeypatch):
+    """The test above proves the procedure in a script of its own; this one that train_fsdp.py
+    follows it: every unit it shards is still on the meta device (shapes, no memory), so no
+    rank ever holds the whole model. Built whole first, as DDP builds it, the model would be
+    the same (to_empty, then the same draws): only each rank's peak memory would show it."""
+    from torch.distributed import fsdp
+    real_fully_shard, on_meta = fsdp.fully_shard, []
+
+    def spy(module, *args, **kwargs):
+        modules = module if isinstance(module, list) else [module]  # the norm with the LM head: one unit of two
+        on_meta.append(all(p.is_meta for m in modules for p in m.parameters()))
+        return real_fully_shard(module, *args, **kwargs)
+
+    monkeypatch.setattr(fsdp, "fully_shard", spy)  # what train_fsdp.py imports when it runs
+    train("train_fsdp.py", args(runs, tmp_path / "run", "--max-steps", "1"))
+    assert on_meta == [True] * (PRESETS[MODEL]["num_hidden_layers"] + 3)  # the layers, embedding, norm with head, root
+
+
+def test_every_rank_of_train_fsdp_runs_as_many_evaluation_forwards(runs):
+    """The test below proves val_loader's padding row; this one that train_fsdp.py asks for it.
+    With one held-out row a rank and forward (--grad-accum 4 on 2 ranks: a micro-batch of 1),
+    an odd number of rows would give rank 1 one forward fewer than rank 0, and rank 0's last
+    forward would wait in its gathers for collectives rank 1 never makes: the run would hang
+    until --timeout-minutes (1 here) ran out. (With the tests' usual micro-batch of 4, 12 and 11
+    rows make 3 batches each: the padding goes unseen.)"""
+    out, spies = spied(runs, "fsdp2_accum4", "train_fsdp.py", ["--grad-accum", "4", "--timeout-minutes", "1"], nproc=2)
+    cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out)])
+    _, val_text, _ = run_data.load_text(cfg)
+    tokenizer = data.load_tokenizer(out / "tokenizer.json")
+    rows = len(data.tokenize(val_text, tokenizer, cfg.seq_len))
+    assert rows % 2 == 1  # rank 0 holds one row more
+    assert [spy["evaluation_batches"] for spy in spies] == [[(rows + 1) // 2] * 2] * 2  # at steps 4 and 8
 
 
 @pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])

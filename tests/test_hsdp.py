@@ -13,6 +13,7 @@ from conftest import FAST, MODEL, assert_same_model, assert_same_weights, metric
 from model import PRESETS, LlamaForPretraining
 from test_bad_inputs import refused_in_process
 from training import run_folder
+from training.config import mesh_shape
 
 ACCUM = ["--grad-accum", "2"]  # 8 sequences a step: 1 a rank and micro-step on 4 ranks
 
@@ -52,6 +53,39 @@ def test_the_replicas_all_reduce_once_a_step_however_many_micro_steps_it_accumul
     assert [spy["all_reduce_bytes"]["2"] for spy in spies] == [8 * 4 * bench_network.shard_elements(shapes, 2)] * 4
     _, plain = hsdp(runs, 1)
     assert [spy["all_reduces"].get("2", 0) for spy in plain] == [0] * 4
+
+
+def test_replicas_make_the_first_mesh_dimension_and_each_replicas_ranks_the_second():
+    """--replicas R gives the mesh (R, world_size / R), named ("replicate", "shard"): fully_shard
+    replicates over the first dimension of a 2-D mesh and shards over the second, whatever the
+    names say, and a row of the mesh is world_size / R consecutive ranks, which torchrun puts on
+    one node. Swapped, 2 nodes of 8 GPUs would shard over the network and replicate within each
+    node; on 4 ranks as 4x1 or 1x4 (below) both train DDP's model, so no loss would tell."""
+    assert mesh_shape(1, 4) == ((4,), ("shard",))
+    assert mesh_shape(2, 16) == ((2, 8), ("replicate", "shard"))
+    assert mesh_shape(4, 4) == ((4, 1), ("replicate", "shard"))
+
+
+@pytest.mark.parametrize("replicas", [2, 4], ids=["2x2", "4x1"])
+def test_each_rank_holds_its_replicas_share_and_the_memory_check_counts_that_share(runs, replicas):
+    """Where the weights are, read from each rank of the runs (tests/spy.py): in 2x2 ranks 0
+    and 1 (one node's) split every weight between them, as do ranks 2 and 3 with the same
+    halves, and each rank all-reduces its shards with its peer in the other replica (r and
+    r + 2); in 4x1 every rank holds the whole model. The memory check, made before anything is
+    written, counted the same share. A mesh of another shape (1x4 for 4x1) or a check that
+    divided by the world size trains the same model: only this sees it."""
+    shards = 4 // replicas
+    out, spies = hsdp(runs, replicas)
+    model_config, _ = run_folder.read_config(out)
+    with torch.device("meta"):
+        total = sum(p.numel() for p in LlamaForPretraining(model_config).parameters())
+    held = [spy["weights_held"] for spy in spies]
+    assert held == held[:shards] * replicas  # the replicas hold the same shards
+    assert sum(held[:shards]) == total  # a replica's ranks hold every element once
+    assert [spy["memory_shards"] for spy in spies] == [shards] * 4
+    if replicas == 2:  # the all-reduce of a rank's shards goes to its peer in the other replica, over the network
+        pairs = [[group for group in spy["all_reduce_groups"] if len(group) == 2] for spy in spies]
+        assert pairs == [[[0, 2]], [[1, 3]], [[0, 2]], [[1, 3]]]
 
 
 def test_a_stopped_hsdp_run_resumes_on_its_own_shape_bitwise(runs, tmp_path):

@@ -79,6 +79,23 @@ def test_is_causal_equals_an_explicit_causal_and_padding_mask_on_real_tokens(lla
     torch.testing.assert_close(ours[real], reference[real], rtol=0, atol=1e-5)
 
 
+def test_attention_hands_sdpa_no_mask_tensor_only_is_causal(llama, monkeypatch):
+    """`is_causal=True` instead of the article's float mask: SDPA gets no (B, 1, T, T) tensor
+    to hold and may pick its flash or memory-efficient kernel. A mask passed instead gives the
+    same logits (the test above), so the calls themselves are checked."""
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((args, kwargs.get("attn_mask"), kwargs.get("is_causal")))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", spy)
+    x = torch.randint(0, V, (2, T))
+    llama(x, x)
+    assert calls == [((), None, True)] * llama.config.num_hidden_layers
+
+
 def test_grouped_query_attention_shares_each_kv_head_among_its_query_heads():
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=V, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,

@@ -14,8 +14,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import (BF16, BF16_MULTIPLE, FAST, FP32_LIKE_BF16, REPO, assert_follows_in_bf16, assert_learns,
-                      assert_same_model, load_weights, loss_distance, metrics, script_in_process, spied, train,
-                      write_corpus)
+                      assert_same_model, load_weights, loss_distance, metrics, run_in_process, script_in_process, spied,
+                      train, write_corpus)
 from model import LlamaConfig, LlamaForPretraining
 from training import config, launch, weights
 from training.errors import UsageError
@@ -561,3 +561,22 @@ def test_ddp_keeps_gradients_in_its_buckets_and_sends_no_buffers_each_step(tmp_p
                                                 num_key_value_heads=2)).base_model.rotary_emb.cos[1, 0].item()
     assert got[0] == (pytest.approx(untouched), True)
     assert got[1] == (pytest.approx(untouched + 1), True)  # not rank 0's value: no broadcast
+
+
+def test_train_ddp_builds_its_ddp_with_those_options(corpus, tmp_path, monkeypatch):
+    """train_ddp.py spells the two options out where a reader learns DDP; the test above proves
+    what launch.DDP_OPTIONS does, this one that the script passes the same. Without them it
+    trains the same model, only with a second copy of every gradient and a broadcast of the
+    RoPE tables before every forward: no loss would show it."""
+    from torch.nn.parallel import DistributedDataParallel
+    from training.launch import DDP_OPTIONS
+    built, real_init = [], DistributedDataParallel.__init__
+
+    def record(self, module, *args, **kwargs):
+        built.append(kwargs)
+        real_init(self, module, *args, **kwargs)
+
+    monkeypatch.setattr(DistributedDataParallel, "__init__", record)
+    run_in_process("train_ddp.py", ["--dataset", str(corpus), *FAST, "--max-steps", "1", "--out-dir",
+                                    str(tmp_path / "run")])
+    assert [{name: kwargs.get(name) for name in DDP_OPTIONS} for kwargs in built] == [DDP_OPTIONS]

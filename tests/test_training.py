@@ -212,6 +212,21 @@ def test_resume_across_an_epoch_boundary_is_bitwise_exact(runs, tmp_path):
     assert_same_model(half, straight)
 
 
+@pytest.mark.parametrize("script, nproc", [("train_dp.py", 0), ("train_ddp.py", 2)])
+def test_resume_with_gradient_accumulation_is_bitwise_exact(runs, tmp_path, script, nproc):
+    """A resumed run skips the samples its steps trained: each rank's micro-batch of every
+    micro-step, --grad-accum of them a step. Stopped at step 4 with --grad-accum 2 and resumed,
+    it ends bitwise where the straight run ends (skipping one micro-batch a step would train
+    some samples twice and others never, and every loss would still fall)."""
+    accum = ["--grad-accum", "2"]
+    name = "dp_accum2" if script == "train_dp.py" else "ddp2_accum2"
+    straight = runs(name, script, accum, nproc)
+    half = runs.copy(runs(f"{name}_stop4", script, [*accum, "--stop-at-step", "4"], nproc), tmp_path / "half")
+    printed = train(script, ["--dataset", str(runs.corpus), *FAST, *accum, "--out-dir", str(half), "--resume"], nproc)
+    assert f"resumed from {half}/checkpoint.pt at step 4" in printed
+    assert_same_model(half, straight)
+
+
 def test_ddp_all_reduces_gradients_only_on_the_last_micro_step(runs, tmp_path, monkeypatch):
     """no_sync: with --grad-accum 4 each bucket of gradients is all-reduced once per optimizer
     step, not once per micro-step (the weights would be the same either way, so the
@@ -368,6 +383,34 @@ def test_rank_0_alone_hashes_the_corpus_and_every_rank_gets_its_fingerprint(runs
     monkeypatch.setattr(corpus, "fingerprint", lambda documents: pytest.fail("a rank other than 0 hashed the corpus"))
     train_text, val_text, fingerprint = run_data.load_text(cfg, None, Rank1())
     assert fingerprint == from_rank0 and len(train_text) + len(val_text) == from_rank0["documents"]
+
+
+def test_local_rank_0_loads_and_tokenizes_the_corpus_first_and_the_other_ranks_read_its_cache(runs, tmp_path,
+                                                                                              monkeypatch):
+    """Loading and tokenizing the corpus write `datasets`' cache: each node's local rank 0 does
+    both in a turn of its own (InTurns.local_rank0_first), then the other ranks read what it
+    cached. Run everywhere at once, every rank would tokenize the whole corpus, racing to write
+    the same files, into the same datasets: no loss tells. The turn each stage of prepare() ran
+    in is recorded here."""
+    class Recorded(turns.OneProcess):
+        turn = "everywhere"
+
+        def local_rank0_first(self, fn):
+            self.turn = "local rank 0 first"
+            try:
+                return fn()
+            finally:
+                self.turn = "everywhere"
+
+    recorded, stages = Recorded(), []
+    real_load, real_make = corpus.load_corpus, run_data.make_datasets
+    monkeypatch.setattr(corpus, "load_corpus", lambda *a: stages.append(("load", recorded.turn)) or real_load(*a))
+    monkeypatch.setattr(run_data, "make_datasets",
+                        lambda *a: stages.append(("tokenize", recorded.turn)) or real_make(*a))
+    monkeypatch.setattr(run_data, "claim_out_dir", lambda cfg, ckpt: None)  # no lock left on the folder
+    cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST, "--out-dir", str(tmp_path / "run")])
+    run_data.prepare(cfg, recorded)
+    assert stages == [("load", "local rank 0 first"), ("tokenize", "local rank 0 first")]
 
 
 def test_fp32_matmuls_on_cuda_use_tf32_and_on_a_cpu_stay_full_fp32():
