@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import datasets
 import numpy as np
 import pyarrow.compute
+import tokenizers
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -206,9 +207,10 @@ def _encode(batch, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool):
 def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int) -> datasets.Dataset:
     """Frame every document and cut it into windows of seq_len + 1 tokens, once: `datasets`
     caches the result on disk, under a key of everything that decides it (the documents, the
-    tokenizer, seq_len and this file's encoding code), and what the cache gives back is checked
-    before it is used (caches.cached_map: each window 2 to seq_len + 1 tokens). Large corpora
-    are split over one process per core, each encoding with one thread."""
+    tokenizer and its library's version, seq_len, this file's encoding code and constants),
+    and what the cache gives back is checked before it is used (caches.cached_map: each
+    window 2 to seq_len + 1 tokens). Large corpora are split over one process per core, each
+    encoding with one thread."""
     tokenizer = text_only(tokenizer)
     exact_cuts = clip_is_exact(tokenizer)
     if not exact_cuts and _longest(texts) > 2 * PIECE_CHARS:
@@ -218,7 +220,8 @@ def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int) -> dat
     num_proc = min(usable_cores(), len(texts) // 5000)
     # token ids in the narrowest type that holds them: 2 bytes each below 65,536 (8 as Python ints)
     ids = datasets.Value("uint16" if tokenizer.get_vocab_size() <= 2**16 else "uint32")
-    key = datasets.fingerprint.Hasher.hash([texts._fingerprint, tokenizer.to_str(), seq_len, ENCODING_CODE])
+    key = datasets.fingerprint.Hasher.hash([texts._fingerprint, tokenizer.to_str(), tokenizers.__version__, seq_len,
+                                            ENCODING_CODE, PIECE_CHARS, _CUT.pattern])
     with _tokenizer_threads(1 if num_proc > 1 else None):
         return caches.cached_map(
             texts, key, "the cached windows", "tokenizing the corpus again",

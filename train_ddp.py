@@ -60,6 +60,7 @@ def main():
         for block in [*raw_model.base_model.layers, raw_model.lm_head]:
             block.compile()  # in place: the state_dict keeps its keys (no `_orig_mod.` prefix)
     optimizer, scheduler = build.optimizer(raw_model, cfg, total_steps)
+    divergence = stopping.Divergence(cfg, tokenizer.get_vocab_size(), ckpt)  # real jobs: stops a run gone bad
     step = resume.from_checkpoint(ckpt, cfg, raw_model, optimizer, scheduler, steps_per_epoch)  # 0 for a new run
     profiler = profiling.Profiler(cfg, rank, device, step, total_steps)  # --profile: docs/profiling.md
     log = metrics.MetricsLog(cfg, enabled=is_main, resume_step=step, facts=train_ds.facts)  # and the trackers
@@ -77,7 +78,6 @@ def main():
     val_loader = evaluation.val_loader(val_ds, rank, world_size, micro_batch)
     writer = pt_checkpoint.PtCheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
     stop = stopping.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
-    divergence = stopping.Divergence(cfg, tokenizer.get_vocab_size())  # real jobs: stops a run gone bad
     if is_main:
         print(metrics.describe(raw_model, train_ds, steps_per_epoch, total_steps, micro_batch, cfg, device, dtype))
 
@@ -146,7 +146,8 @@ def main():
             if saving and is_main:
                 # One writer, and no collective or DDP call inside this branch. The write runs in
                 # a background thread, so the other ranks never wait in a collective for the disk.
-                writer.save(raw_model, optimizer, checkpoint.run_state(raw_model, scheduler, cfg, step, train_ds))
+                writer.save(raw_model, optimizer,
+                            checkpoint.run_state(raw_model, scheduler, cfg, step, train_ds, divergence))
             if evaluating:
                 totals = evaluation.evaluate(raw_model, val_loader, device)  # the plain module: no wrapper
                 dist.all_reduce(totals)  # [loss sum, targets] over every rank's shard

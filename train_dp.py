@@ -44,6 +44,7 @@ def main():
     if cfg.compile:
         raw_model.compile()  # in place: the state_dict keeps its keys (no `_orig_mod.` prefix)
     optimizer, scheduler = build.optimizer(raw_model, cfg, total_steps)
+    divergence = stopping.Divergence(cfg, tokenizer.get_vocab_size(), ckpt)  # real jobs: stops a run gone bad
     step = resume.from_checkpoint(ckpt, cfg, raw_model, optimizer, scheduler, steps_per_epoch)  # 0 for a new run
     profiler = profiling.Profiler(cfg, rank, device, step, total_steps)  # --profile: docs/profiling.md
     log = metrics.MetricsLog(cfg, enabled=is_main, resume_step=step, facts=train_ds.facts)  # and the trackers
@@ -59,7 +60,6 @@ def main():
     val_loader = evaluation.val_loader(val_ds, rank, world_size, micro_batch)
     writer = pt_checkpoint.PtCheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
     stop = stopping.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
-    divergence = stopping.Divergence(cfg, tokenizer.get_vocab_size())  # real jobs: stops a run gone bad
     if is_main:
         print(metrics.describe(raw_model, train_ds, steps_per_epoch, total_steps, micro_batch, cfg, device, dtype))
 
@@ -119,7 +119,8 @@ def main():
             if saving:
                 divergence.check_weights(step, raw_model)  # real jobs: on every rank, before saving
             if saving and is_main:
-                writer.save(raw_model, optimizer, checkpoint.run_state(raw_model, scheduler, cfg, step, train_ds))
+                writer.save(raw_model, optimizer,
+                            checkpoint.run_state(raw_model, scheduler, cfg, step, train_ds, divergence))
             if evaluating:
                 totals = evaluation.evaluate(raw_model, val_loader, device)  # the plain module: no wrapper
                 val_loss = (totals[0] / totals[1]).item()

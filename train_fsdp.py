@@ -85,6 +85,7 @@ def main():
     raw_model.to_empty(device=device)
     build.init_weights(raw_model, cfg)  # FSDP: each rank now holds its shard of every weight
     optimizer, scheduler = build.optimizer(raw_model, cfg, total_steps)
+    divergence = stopping.Divergence(cfg, tokenizer.get_vocab_size(), ckpt)  # real jobs: stops a run gone bad
     step = resume.from_checkpoint(ckpt, cfg, raw_model, optimizer, scheduler, steps_per_epoch)  # 0 for a new run
     profiler = profiling.Profiler(cfg, rank, device, step, total_steps)  # --profile: docs/profiling.md
     log = metrics.MetricsLog(cfg, enabled=is_main, resume_step=step, facts=train_ds.facts)  # and the trackers
@@ -100,7 +101,6 @@ def main():
     val_loader = evaluation.val_loader(val_ds, rank, world_size, micro_batch, same_length=True)  # FSDP: see there
     writer = sharded_checkpoint.ShardedCheckpointWriter(cfg.out_dir, cfg.keep_checkpoints, cfg.timeout_minutes)
     stop = stopping.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
-    divergence = stopping.Divergence(cfg, tokenizer.get_vocab_size())  # real jobs: stops a run gone bad
     if is_main:
         print(metrics.describe(raw_model, train_ds, steps_per_epoch, total_steps, micro_batch, cfg, device, dtype))
 
@@ -169,7 +169,8 @@ def main():
                 divergence.check_weights(step, raw_model)  # real jobs: on every rank, before saving
                 # FSDP: the check above all-reduces (the weights are shards), and every rank writes its
                 # own shards, from a background thread after a copy in memory; no rank gathers the whole state
-                writer.save(raw_model, optimizer, checkpoint.run_state(raw_model, scheduler, cfg, step, train_ds))
+                writer.save(raw_model, optimizer,
+                            checkpoint.run_state(raw_model, scheduler, cfg, step, train_ds, divergence))
             if evaluating:
                 totals = evaluation.evaluate(raw_model, val_loader, device)  # the plain module: no wrapper
                 dist.all_reduce(totals)  # [loss sum, targets] over every rank's shard

@@ -82,8 +82,8 @@ def check_memory(args, device: torch.device):
     """A batch whose memory estimate (training/memory.py's, the trainers' check) exceeds what is
     available is refused before anything is allocated. The estimate is our formulation in fp32,
     with nothing saved: below what the largest rows hold, the tutorial's, in fp32 with the whole
-    logits (the article model at 64 x 512: 40.6 GB estimated, 60.2 measured on one H200). On a
-    CPU the ranks of Table 1's largest world share the memory."""
+    logits (the article model at 64 x 512: 40.6 GB estimated, 56.1 GiB = 60.2 GB measured on one
+    H200, docs/benchmarks.md). On a CPU the ranks of Table 1's largest world share the memory."""
     config = model_config(args)
 
     def need(rows: int) -> int:  # one process's, for a batch of `rows` sequences

@@ -68,17 +68,18 @@ def corpus_path(args) -> Path:
 def check_data(args):
     """Before anything is generated or trained: --data, or a generated corpus already in
     --data-dir, must be a parquet file with a `text` column (its footer is read, not its rows);
-    --data-dir, where a corpus would be generated, a folder this process may write in."""
+    the corpus's folder, where a corpus or its BPE is still to be written, a folder this
+    process may write in (one that holds both may be read-only)."""
     from training import run_folder
     from training.errors import UsageError
     path = corpus_path(args)
+    if args.data is not None and not os.path.lexists(path):
+        raise UsageError(f"--data {path}: no such file (a parquet file with a `text` column)")
+    if not (os.path.lexists(path) and bpe_path(path, args.vocab_size).exists()):  # something to write there
+        run_folder.check_writable(str(path.parent), "--data" if args.data is not None else "--data-dir")
     if args.data is not None:
-        if not os.path.lexists(path):
-            raise UsageError(f"--data {path}: no such file (a parquet file with a `text` column)")
         check_parquet(path, "--data")
-        return
-    run_folder.check_writable(args.data_dir, "--data-dir")
-    if os.path.lexists(path):
+    elif os.path.lexists(path):
         try:
             check_parquet(path, "the corpus generated earlier")
         except UsageError as e:
@@ -183,10 +184,14 @@ def prepared_corpus(args) -> Path:
     return path
 
 
+def bpe_path(path: Path, vocab_size: int) -> Path:
+    return path.with_name(f"{path.stem}.bpe{vocab_size}.json")
+
+
 def bpe(path: Path, vocab_size: int, texts: list[str] | None = None) -> Path:
     """The corpus's BPE of vocab_size tokens, kept beside it: trained once, on its first 20,000
     documents (not timed), and written whole."""
-    tokenizer_path = path.with_name(f"{path.stem}.bpe{vocab_size}.json")
+    tokenizer_path = bpe_path(path, vocab_size)
     if not tokenizer_path.exists():
         import datasets
         import data

@@ -407,15 +407,16 @@ FLOOR_MULTIPLE = 20
 
 # bf16 against fp32 is no reordering: it is another arithmetic, and its weights differ as
 # much as a bug's do (2e-3 after 8 steps). bf16 runs are compared by their logged losses,
-# within BF16_MULTIPLE times the bf16 floor: what bf16's own rounding does to the losses, the
-# fp32 run against the fp32 run from its initial weights rounded to bf16 (tests/perturb.py).
+# within BF16_MULTIPLE times the bf16 floor: what one rounding to bf16 does to the losses, the
+# fp32 run against the fp32 run from its initial weights rounded to bf16 (tests/perturb.py), a
+# stand-in of the size and kind of the roundings autocast makes at every matmul.
 # A floor of reordered bf16 runs measured the summation order of the CPU's bf16 kernels, not
-# bf16: under an Intel Xeon's AMX kernels, whose tiles add in fp32 row by row, it fell 16x
-# while bf16's distance from fp32 did not move (23x the floor), yet under AVX2 it was 2.8x.
+# bf16: under an Intel Xeon's AMX kernels it fell 16x while bf16's distance from fp32 did not
+# move (23x the floor), yet under AVX2 it was 2.8x.
 # Every kernel rounds the inputs of a bf16 matmul to bf16 alike (8 bits of mantissa), whatever
 # order it then adds them in, so bf16's distance from fp32 is set by that rounding on every
 # CPU; and the floor's own arithmetic is fp32, whose rounding is 100x below the 2^-9 of one bf16
-# rounding: it is the same number on every CPU (3.03e-5 here under every ISA).
+# rounding: it is nearly the same number on every CPU (3.03e-5 here under every ISA tried).
 # Measured by tests/calibrate_tolerances.py, as multiples of that floor, on an AMD EPYC with
 # AVX-512 and avx512_bf16 (oneDNN's AVX512_CORE_BF16 kernels) / ONEDNN_MAX_CPU_ISA=AVX2 /
 # ATEN_CPU_CAPABILITY=default: train_dp.py bf16 vs fp32 0.7x / 1.0x / 0.8x; DDP(2) bf16 +

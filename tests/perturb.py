@@ -9,9 +9,10 @@ it in this process (the tests' in-process runs); as a script, it runs a training
                       every logit at once, then F.cross_entropy. The reference the chunks
                       must train the same model as.
     small-chunks      the chunked loss in chunks of 7 tokens: many a micro-batch, the last short
-    bf16-weights      the initial weights rounded to bf16 (and kept in fp32): what bf16 does to
-                      the weights, alone, in fp32 arithmetic. Its distance from the plain run
-                      is the bf16 floor: bf16's own rounding, the same on every CPU.
+    bf16-weights      the initial weights rounded to bf16 (and kept in fp32): one rounding to
+                      bf16, of the kind autocast makes of every matmul's inputs, in fp32
+                      arithmetic. Its distance from the plain run is the bf16 floor, nearly the
+                      same on every CPU (no bf16 kernel computes it).
 The others are mutants: bugs that a bound taken from that floor must catch.
     lr-off-by-one     the schedule one step ahead: step s trains with the LR of step s+1
     drop-micro-batch  the second micro-batch of step 3 never trains (use with --grad-accum 2)

@@ -546,8 +546,10 @@ def _nan_moment(c):
     (lambda c: c.update(step=-5), "is damaged: step -5"),
     (lambda c: c.update(train_config=None), "is damaged: its train_config is not a dict"),
     (lambda c: c.update(step="4"), "is damaged: its step is not a int"),
+    (lambda c: c.update(highest_loss=["5.7", 4]), "is damaged: its highest_loss is not a loss and a step"),
+    (lambda c: c.update(highest_loss=[float("nan"), 4]), "is damaged: its highest_loss is not a loss and a step"),
 ], ids=["nan-weight", "integer-weight", "nan-moment", "nan-lr", "weight-shape", "rng", "huge-step", "negative-step",
-        "train-config", "step-string"])
+        "train-config", "step-string", "highest-loss-string", "highest-loss-nan"])
 def test_a_damaged_checkpoint_is_one_line_naming_it_and_nothing_is_written(runs, tmp_path, capsys, damage, says):
     """Runs save only what they can resume from: a checkpoint that holds anything else was
     damaged after it was written. Every copy damaged alike (else the run falls back to the
@@ -650,14 +652,44 @@ def test_gradients_that_vanish_with_the_loss_back_at_a_uniform_guess_after_it_bl
                                   "(was 0)")
 
 
+SATURATES = ["--lr", "100", "--warmup-steps", "1", "--log-every", "1"]  # the tests' corpus: 6 steps, on CPUs seen
+
+
+def assert_told_to_lower_the_learning_rate(err: str):
+    """The one line of a run that blew up: where its gradients then vanished, the line names the
+    loss it rose to (not a model whose gradients never reach its weights). A CPU whose rounding
+    takes the run to inf or NaN first is told of that divergence instead."""
+    [line] = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert "Start again with a lower --lr (was 100.0)" in line, line
+    if "exactly 0" in line:
+        assert re.match(r"error: training diverged: the loss rose to [\d.e+]+ at step \d+ \(a uniform guess's: 5\.7\), "
+                        r"and at step \d+ the gradients are all exactly 0, the loss back at ", line), line
+    else:
+        assert re.match(r"error: training diverged: the (loss is|gradient norm is|weights are not finite)", line), line
+
+
 def test_a_run_that_blows_up_then_saturates_is_told_to_lower_its_learning_rate(runs, tmp_path, capsys):
-    """The same end to end: the tests' corpus with --lr 100 saturates at step 6 on this CPU. On a
-    CPU whose rounding takes it to inf or NaN first, that is the divergence it names."""
+    """The same end to end: the tests' corpus with --lr 100 blows up to millions by step 5 and
+    saturates at step 6 (here, and on an Intel Xeon with AMX)."""
+    assert script_in_process("train_dp.py", train_args(runs, tmp_path / "run", *SATURATES)) == 2
+    assert_told_to_lower_the_learning_rate(capsys.readouterr().err)
+
+
+def test_a_resumed_run_remembers_how_high_its_loss_rose_before_its_checkpoint(runs, tmp_path, capsys):
+    """The same run stopped at step 5, in the middle of blowing up, then resumed: the losses
+    that rose were logged by the session before, and the checkpoint carries the highest to the
+    next, whose gradients vanish at step 6."""
     out = tmp_path / "run"
-    args = train_args(runs, out, "--lr", "100", "--warmup-steps", "1", "--log-every", "1")
-    assert script_in_process("train_dp.py", args) == 2
-    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
-    assert line.startswith("error: training diverged: the ") and "Start again with a lower --lr (was 100.0)" in line
+    assert script_in_process("train_dp.py", train_args(runs, out, *SATURATES, "--stop-at-step", "5")) == 0
+    capsys.readouterr()
+    assert script_in_process("train_dp.py", train_args(runs, out, *SATURATES, "--resume")) == 2
+    assert_told_to_lower_the_learning_rate(capsys.readouterr().err)
+
+
+def test_a_checkpoint_carries_the_highest_loss_to_the_divergence_check_of_the_next_session():
+    divergence = stopping.Divergence(LR_100, vocab_size=300, ckpt={"highest_loss": [6.836e6, 5]})
+    with pytest.raises(UsageError, match=r"the loss rose to 6\.836e\+06 at step 5 .* at step 6 the gradients"):
+        divergence.check(6, 5.704, 0.0)
 
 
 def test_gradients_that_vanish_with_the_loss_where_it_began_name_the_compiler_only_in_a_compiled_run():

@@ -11,7 +11,7 @@ import torch
 from conftest import FAST, run_script, train
 from model import PRESETS, LlamaConfig, LlamaForPretraining
 from test_bad_inputs import refused_in_process
-from training import build, checkpoint, config, memory, pt_checkpoint, run_data
+from training import build, checkpoint, config, memory, pt_checkpoint, run_data, stopping
 from training.errors import UsageError
 
 
@@ -78,7 +78,8 @@ def test_the_state_estimate_is_what_weights_gradients_adamw_and_a_save_hold_afte
             *(t for state in optimizer.state.values() for t in state.values() if t.dim() > 0)]  # not `step`
     assert need.state == sum(t.numel() * t.element_size() for t in held)
     dataset = type("Dataset", (), {"__len__": lambda self: 80, "corpus": None, "packing_fingerprint": None})()
-    snapshot = pt_checkpoint.snapshot(model, optimizer, checkpoint.run_state(model, scheduler, cfg, 1, dataset))
+    run_state = checkpoint.run_state(model, scheduler, cfg, 1, dataset, stopping.Divergence(cfg, 300))
+    snapshot = pt_checkpoint.snapshot(model, optimizer, run_state)
     tensors = [*snapshot["model"].values(), *(t for state in snapshot["optimizer"]["state"].values()
                                               for t in state.values() if t.dim() > 0)]
     assert need.snapshot == sum(t.numel() * t.element_size() for t in tensors)

@@ -338,6 +338,16 @@ def test_step_marks_that_overlap_on_one_lane_are_one_line_not_counted_twice(tmp_
     assert not (tmp_path / "p.png").exists()
 
 
+def test_step_marks_that_touch_to_a_rounding_are_one_after_another(tmp_path):
+    """Step 8's mark begins where step 7's ends, as ts + dur rounds it: a float sum of times
+    printed to the ns, at the epoch's 1.7e15 µs one float step (0.25 µs) apart."""
+    base = 1.7e15
+    events = [{**e, "ts": base + e["ts"]} for e in a_cpu_step()]
+    events.append(event("ProfilerStep#8", base + 1000 - 0.25, 500, cat="user_annotation"))
+    trace = write_trace(tmp_path / "rank0.steps7-8.pt.trace.json", events)
+    assert [s["step"] for s in trace_summary.summarize(trace)] == [7, 8]
+
+
 @pytest.mark.parametrize("tool, unbuffered", [("tools/trace_summary.py", False), ("tools/trace_summary.py", True),
                                               ("tools/draw_trace.py", False)])
 def test_a_reader_that_stops_reading_ends_the_tool_quietly(tmp_path, tool, unbuffered):
@@ -355,6 +365,15 @@ def test_a_reader_that_stops_reading_ends_the_tool_quietly(tmp_path, tool, unbuf
     finally:
         os.close(write)
     assert (proc.returncode, proc.stderr) == (141, "")
+
+
+def test_a_broken_pipe_other_than_stdouts_reader_leaving_stays_an_error():
+    """Every script's main runs inside reader_may_leave: a BrokenPipeError from a socket or a
+    child's pipe, while stdout's reader is still there, is the script's error, never a quiet 141."""
+    from training import stopping
+    with pytest.raises(BrokenPipeError, match="a peer closed"):
+        with stopping.reader_may_leave():
+            raise BrokenPipeError("a peer closed its socket")
 
 
 def test_two_runs_traces_of_one_name_are_told_apart_by_their_run(tmp_path, capsys):
@@ -414,6 +433,19 @@ def test_a_trace_that_cannot_be_written_is_a_warning_and_the_run_trains_on(runs,
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("warning", "error"))]
     assert len(err) == 1 and err[0].startswith(f"warning: --profile: rank 0's trace of steps 4-5 was not written to "
                                                f"{out / 'profile'}: the disk mounted at /") and " is full (" in err[0]
+    assert list((out / "profile").iterdir()) == [] and (out / "model.pt").is_file()
+
+
+def test_a_trace_its_exporter_left_torn_without_a_word_is_a_warning_and_no_file(runs, tmp_path, monkeypatch, capsys):
+    """An exporter that writes the name it is given itself (not kineto's NAME.tmp, renamed when
+    done) and stops half-way without an error: the file is not taken for a trace."""
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace",
+                        lambda self, path: Path(path).write_bytes(b'{"traceEvents": [{"name": "aten::mm", '))
+    out = tmp_path / "run"
+    assert script_in_process("train_dp.py", profile_args(runs, out, "--profile")) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("warning", "error"))]
+    assert len(err) == 1 and err[0].endswith("torch.profiler's exporter left .rank0.steps4-5.pt.trace.json.partial "
+                                             "unfinished"), err
     assert list((out / "profile").iterdir()) == [] and (out / "model.pt").is_file()
 
 

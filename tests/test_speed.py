@@ -177,9 +177,9 @@ def test_bf16_trains_like_fp32(runs, bf16_floor):
 
 
 def test_the_bf16_bound_catches_a_dropped_micro_batch(runs, bf16_floor):
-    """The nearest bug the bf16 bound was calibrated against (conftest.BF16_MULTIPLE): one
-    micro-batch of 16 never trains, in bf16. Its losses land beyond the bound, which the
-    floor's kind makes the same on every CPU: bf16's own rounding, not a kernel's order."""
+    """The nearest bug the bf16 bound was calibrated against (conftest.BF16_MULTIPLE): in a
+    bf16 run of 2 micro-batches a step, step 3's second micro-batch never trains. Its losses
+    land beyond the bound, with room: the floor is a rounding to bf16, not a kernel's order."""
     dropped = runs("dp_bf16_accum2_one_dropped", "train_dp.py", [*BF16, "--grad-accum", "2"],
                    perturb="drop-micro-batch")
     distance = loss_distance(dropped, runs("dp_short", "train_dp.py", FP32_LIKE_BF16))

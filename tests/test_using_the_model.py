@@ -499,6 +499,10 @@ def test_max_steps_beyond_the_epochs_is_warned_about_naming_epochs(capsys):
                                        "--epochs to train 4\n")
     cfg = config.TrainConfig(warmup_steps=1, max_steps=3, epochs=3)
     assert config.total_steps(cfg, steps_per_epoch=1) == 3 and capsys.readouterr().err == ""
+    cfg = config.TrainConfig(model="debug", warmup_steps=5, max_steps=50, epochs=3)  # the preset's, not given
+    assert config.total_steps(cfg, steps_per_epoch=10) == 30
+    assert capsys.readouterr().err.startswith("warning: --max-steps 50 (the debug preset's) is more than --epochs 3 "
+                                              "take (30 steps, 10 an epoch)")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

@@ -169,6 +169,11 @@ def step_number(path, name: str) -> int:
     return int(number)
 
 
+# Marks that touch may overlap by a rounding: ts and dur are printed to the ns, and ts + dur is a float sum
+# (at the epoch's 1.7e15 µs, a float's step is 0.25 µs)
+TOUCHING_US = 1.0
+
+
 def one_after_another(path, marks: list[dict], lane: str) -> list[int]:
     """The numbers of one lane's step marks (sorted by start), refused unless each step is marked once and each
     mark ends before the next begins, as torch.profiler marks them: a step inside another, or marked twice, would
@@ -179,7 +184,7 @@ def one_after_another(path, marks: list[dict], lane: str) -> list[int]:
             raise UsageError(f"{path} marks step {number} twice on {lane} (at {seen[number]} and {mark['ts']} µs): "
                              "not a trace this trainer's --profile wrote")
         seen[number] = mark["ts"]
-        if i and mark["ts"] < end_of(marks[i - 1]):
+        if i and mark["ts"] < end_of(marks[i - 1]) - TOUCHING_US:
             before = marks[i - 1]
             raise UsageError(f"{path}: step {number}'s mark on {lane} begins at {mark['ts']} µs, inside step "
                              f"{numbers[i - 1]}'s ({before['ts']} to {end_of(before)} µs): not a trace this "

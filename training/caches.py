@@ -68,11 +68,18 @@ class ReadBack:
     maps them into memory, so a file truncated in place would kill the process with SIGBUS at
     the next read of a page it lost, and one overwritten in place (truncated and grown again:
     zeros) would be trained on. Replaced or removed, the mapping still holds the file that was
-    opened: nothing to say. One os.stat a file a batch, on the host."""
+    opened: nothing to say. One os.stat a file a batch, on the host: it sees a change made
+    before the batch is read (its size, or its time of change), not one made during the read
+    or within the file system's time resolution at the same size."""
 
     def __init__(self, ds: datasets.Dataset, what: str):
         self.what = what
-        self.opened = {f["filename"]: _identity(os.stat(f["filename"])) for f in ds.cache_files}
+        self.opened = {}
+        for f in ds.cache_files:
+            try:
+                self.opened[f["filename"]] = _identity(os.stat(f["filename"]))
+            except FileNotFoundError:  # removed since `datasets` mapped it: the mapping holds what it read
+                pass
 
     @property
     def name(self) -> str:

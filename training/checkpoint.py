@@ -6,6 +6,7 @@ run code on load is refused instead.
 """
 
 import dataclasses
+import math
 import threading
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from training import stopping
 from training.errors import UsageError
 
 
-def run_state(model, scheduler, cfg, step, train_ds) -> dict:
+def run_state(model, scheduler, cfg, step, train_ds, divergence) -> dict:
     """Everything in a checkpoint besides the model's and the optimizer's tensors."""
     steps_per_epoch = len(train_ds) // cfg.batch_size
     epoch, step_in_epoch = divmod(step, steps_per_epoch)
@@ -26,6 +27,7 @@ def run_state(model, scheduler, cfg, step, train_ds) -> dict:
         "framing": data.framing(cfg.pack),  # how documents became rows: a resume needs the same rows
         "corpus": train_ds.corpus,  # what data the run trains on (corpus.fingerprint): a resume must match it
         "packing": train_ds.packing_fingerprint,  # --pack: which windows each row holds; a resume must find them
+        "highest_loss": list(divergence.highest),  # and its step: what stopping.Divergence has seen
         # Nothing in training draws random numbers after initialization (the data order comes
         # from seed + epoch), but saving the generators keeps any future dropout exact too.
         # The CUDA generator only where the model is on a GPU: reading it opens a CUDA context
@@ -63,6 +65,10 @@ def check_checkpoint(ckpt, path, sharded: bool = False):
             raise UsageError(f"{path} is damaged: its {key} is not a {kind.__name__}, as this trainer saves it")
     if not isinstance(ckpt.get("packing"), (str, type(None))):
         raise UsageError(f"{path} is damaged: its packing is not a fingerprint, as this trainer saves it")
+    highest = ckpt.get("highest_loss", [-math.inf, 0])  # (an older checkpoint has none: nothing seen)
+    if not (isinstance(highest, list) and len(highest) == 2 and isinstance(highest[0], float)
+            and not math.isnan(highest[0]) and type(highest[1]) is int):
+        raise UsageError(f"{path} is damaged: its highest_loss is not a loss and a step, as this trainer saves it")
     if ckpt["step"] < 0 or ckpt["steps_per_epoch"] < 1 or not isinstance(ckpt.get("corpus", {}), (dict, type(None))):
         raise UsageError(f"{path} is damaged: step {ckpt['step']}, {ckpt['steps_per_epoch']} steps per epoch")
 

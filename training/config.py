@@ -264,9 +264,12 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
     all_epochs = cfg.epochs * steps_per_epoch
     total = min(cfg.max_steps, all_epochs) if cfg.max_steps else all_epochs
     if cfg.max_steps and cfg.max_steps > all_epochs:  # the run is shorter than asked: say which flag ends it
-        warn(f"--max-steps {cfg.max_steps} is more than --epochs {cfg.epochs} take ({all_epochs} steps, "
-             f"{steps_per_epoch} an epoch): the run trains {all_epochs} steps, its learning rate schedule "
-             f"{all_epochs} steps long. Raise --epochs to train {cfg.max_steps}")
+        asked = f"--max-steps {cfg.max_steps}"
+        if cfg.max_steps == TRAINING_PRESETS[cfg.model]["max_steps"]:  # the flag left out: --model's default
+            asked += f" (the {cfg.model} preset's)"
+        warn(f"{asked} is more than --epochs {cfg.epochs} take ({all_epochs} steps, {steps_per_epoch} an epoch): the "
+             f"run trains {all_epochs} steps, its learning rate schedule {all_epochs} steps long. Raise --epochs to "
+             f"train {cfg.max_steps}")
     if cfg.warmup_steps >= total:
         warn(f"--warmup-steps {cfg.warmup_steps} is not shorter than the run ({total} steps): the learning rate "
              "is still warming up when the run ends, and never decays")

@@ -167,13 +167,21 @@ class Profiler:
 
 
 def _export_trace(profiler: torch.profiler.profile, path: Path):
-    """The trace, written by kineto at path. kineto keeps the file it wrote open as long as the
+    """The trace, written by kineto at path, and whole: its JSON object closed (kineto writes
+    NAME.tmp and renames it once done, and says nothing when a write fails; an exporter that
+    wrote NAME itself would leave it torn). kineto keeps the file it wrote open as long as the
     profiler's results live, which a reference cycle keeps until the garbage collector runs: a
     partial file, deleted, would hold its space on a full disk until then. Freed at once."""
     try:
         profiler.export_chrome_trace(str(path))
     finally:
-        profiler.profiler.kineto_results = None
+        if hasattr(profiler.profiler, "kineto_results"):  # (private: torch 2.13's name)
+            profiler.profiler.kineto_results = None
+    if path.is_file():
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - 64))
+            if not f.read().rstrip().endswith(b"}"):
+                raise OSError(f"torch.profiler's exporter left {path.name} unfinished")
 
 
 def _in_progress(final: Path) -> list[Path]:

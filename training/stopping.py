@@ -8,7 +8,9 @@ import contextlib
 import json
 import math
 import os
+import select
 import signal
+import stat
 import sys
 import threading
 import time
@@ -175,14 +177,30 @@ def exit_on_usage_error(main):
 def reader_may_leave():
     """Around main(): a reader of stdout that stops reading (`trace_summary.py TRACE | head -1`)
     ends the script quietly with 141, what a shell reports for a Unix tool SIGPIPE ended, not
-    with BrokenPipeError's traceback (Python ignores SIGPIPE: a write to a closed pipe raises)."""
+    with BrokenPipeError's traceback (Python ignores SIGPIPE: a write to a closed pipe raises).
+    Any other broken pipe (a socket, a child's pipe) is an error like any other."""
     try:
         yield
         sys.stdout.flush()  # what is still buffered meets the closed pipe here, not in the interpreter's exit
     except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise
         # the interpreter flushes stdout again on its way out ("Exception ignored"): into /dev/null it cannot fail
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(128 + signal.SIGPIPE)
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe that nobody reads any more (Linux and macOS poll it as an error)."""
+    try:
+        fd = sys.stdout.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's capture), no poll
+        return False
 
 
 def close_progress_bars():
@@ -251,17 +269,17 @@ class Divergence:
     where the network saturated (each logit so far from the rest that every softmax is exactly
     one-hot, or the hidden states so large that the norms pass no gradient): a diverging run's
     does, its loss blown up past twice a uniform guess's, ln(vocab_size) (an untrained model's is
-    just above it), or every target then certain, its loss 0. Or later: --lr 100 took the loss
-    to 6.8 million, then the network settled into a uniform guess, the loss back at ln(V) with
-    every gradient 0 (../shared/fixtures/saturate_corpus.txt); only the losses logged before
-    tell that from a model whose gradients never reached its weights, so the highest one of
-    this session is kept. Every rank makes the same calls with the same (all-reduced) values
-    and reaches the same verdict."""
+    just above it), or every target then certain, its loss 0, or back at ln(V) after it blew up
+    (docs/failures.md). Only the losses logged before tell that last one from a model whose
+    gradients never reached its weights: the highest is kept, and a checkpoint keeps it for the
+    run's next session (`ckpt`, before resume.from_checkpoint empties it). Every rank makes the
+    same calls with the same (all-reduced) values and reaches the same verdict."""
 
-    def __init__(self, cfg, vocab_size: int):
+    def __init__(self, cfg, vocab_size: int, ckpt: dict | None = None):
         self.cfg = cfg
         self.uniform = math.log(vocab_size)  # the loss of a uniform guess over the vocabulary
-        self.highest = (-math.inf, 0)  # the highest loss logged in this session, and its step
+        # the highest loss logged in this run, and its step (checkpoint.run_state saves it)
+        self.highest = tuple(ckpt["highest_loss"]) if ckpt and "highest_loss" in ckpt else (-math.inf, 0)
 
     def _lower(self) -> str:
         return (f"Start again with a lower --lr (was {self.cfg.lr}) or a longer --warmup-steps (was "
