@@ -136,6 +136,17 @@ def test_a_line_that_is_not_json_is_numbered_as_the_files_lines_are(tmp_path, na
     assert str(refused.value) == f"cannot read {path}: JSON parse error on line {bad}: {said}"
 
 
+def test_a_document_that_is_not_utf8_is_one_line_naming_it(tmp_path):
+    """pyarrow's JSON reader takes any bytes as a string; the first read of the text was a
+    UnicodeDecodeError traceback from deep inside `datasets`."""
+    good = "".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(50)).encode()
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(good[:good.index(b'{"text": "document 20"')] + b'{"text": "bad \xff\xfe"}\n' + good)
+    with pytest.raises(UsageError) as refused:
+        corpus.load_corpus(str(path))
+    assert str(refused.value) == f"dataset {path}: document 21 is not UTF-8 text: fix or drop it"
+
+
 def test_the_fingerprint_is_the_content_not_the_path(tmp_path):
     lines = [f"document {i}" for i in range(50)]
     (tmp_path / "a.txt").write_text("\n".join(lines) + "\n")

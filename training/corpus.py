@@ -190,10 +190,27 @@ def load_corpus(dataset: str, dataset_config: str | None = None, split: str | No
         except Exception as e:  # offline, unknown id, bad config or split
             raise UsageError(f"cannot load Hub dataset {dataset!r}: {first_line(e)}") from None
         ds = _text_column(ds, text_column, dataset)
-    ds = ds.filter(lambda batch: [bool(t and t.strip()) for t in batch["text"]], batched=True)
+    try:
+        ds = ds.filter(lambda batch: [bool(t and t.strip()) for t in batch["text"]], batched=True)
+    except UnicodeDecodeError:  # pyarrow's JSON and CSV readers take any bytes as a string
+        raise UsageError(f"dataset {dataset}: {_not_utf8(ds)} is not UTF-8 text: fix or drop it") from None
     if len(ds) == 0:
         raise UsageError(f"dataset {dataset} has no non-empty documents")
     return ds
+
+
+def _not_utf8(ds: datasets.Dataset) -> str:
+    """Which document is not UTF-8 (read again on this path only): pyarrow's full validation
+    names its index."""
+    before = 0
+    for chunk in ds.with_format("arrow")[:]["text"].chunks:
+        try:
+            chunk.validate(full=True)
+        except pyarrow.ArrowInvalid as e:
+            found = re.search(r"index (\d+)", str(e))
+            return f"document {before + int(found.group(1)) + 1:,}" if found else "a document"
+        before += len(chunk)
+    return "a document"
 
 
 def _load_files(builder: str, data_files: list[str], dataset: str) -> datasets.Dataset:
