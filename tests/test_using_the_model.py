@@ -474,7 +474,8 @@ def test_the_summary_quotes_paths_so_its_commands_paste_into_a_shell():
     import shlex
     cfg = config.TrainConfig(out_dir="my runs/ü 1", batch_size=8, seq_len=32, dataset="c.txt")
     lines = metrics.summary(cfg, step=8, total_steps=8, first_step=0, trained=200, seconds=3.0,
-                            latest={"loss": (8, 1.0), "val_loss": (8, 1.0)}, preempted=False, checkpoint=Path("my runs/ü 1/checkpoint.pt")).splitlines()
+                            latest={"loss": (8, 1.0), "val_loss": (8, 1.0)}, preempted=False,
+                            checkpoint=Path("my runs/ü 1/checkpoint.pt")).splitlines()
     assert shlex.split(lines[2].split(":", 1)[1]) == ["python", "tools/generate.py", "my runs/ü 1", "--prompt", "The "]
     assert shlex.split(lines[3].split(":", 1)[1]) == ["python", "tools/export_hf.py", "my runs/ü 1", "my runs/ü 1-hf"]
     assert shlex.split(lines[4].split(":", 1)[1]) == ["python", "tools/plot_metrics.py", "my runs/ü 1", "-o",
