@@ -56,9 +56,10 @@ class InTurn:
 
 
 def trainer_argv(args, out_dir: Path) -> list[str]:
-    """train_dp.py's flags for a run: the benchmark's, then the user's after --, which win."""
-    return ["--max-steps", str(args.max_steps), "--log-every", "5", "--eval-every", str(args.max_steps),
-            "--save-every", str(args.max_steps), *args.trainer_flags, "--out-dir", str(out_dir)]
+    """train_dp.py's flags for a run: the benchmark's, then the user's after --, which win (but
+    for its folder, a temporary one: check_trainer_flags refuses an --out-dir)."""
+    return ["--out-dir", str(out_dir), "--max-steps", str(args.max_steps), "--log-every", "5",
+            "--eval-every", str(args.max_steps), "--save-every", str(args.max_steps), *args.trainer_flags]
 
 
 def check_trainer_flags(args, out_dir: Path):
@@ -70,6 +71,9 @@ def check_trainer_flags(args, out_dir: Path):
         cfg = config.parse_args(trainer_argv(args, out_dir))
     except UsageError as e:
         raise UsageError(f"train_dp.py {' '.join(args.trainer_flags)}: {e}") from None
+    if Path(cfg.out_dir) != out_dir:  # the user's would be trained into, round after round, or else ignored
+        raise UsageError(f"train_dp.py --out-dir {cfg.out_dir}: bench_read_ahead.py runs the trainer in temporary "
+                         "folders of its own: leave --out-dir out")
     steps = min(cfg.max_steps, cfg.stop_at_step or cfg.max_steps)
     if steps <= cfg.log_every:
         raise UsageError(f"--max-steps {steps}: too few steps for a median: train_dp.py logs every {cfg.log_every} "

@@ -302,6 +302,9 @@ BAD_BENCH_FLAGS = [
     # a flag for the trainer: the trainer's own line (was exit 2 and nothing said)
     ("bench_read_ahead.py", ["--", "--bogus"], "train_dp.py --bogus: unrecognized arguments: --bogus"),
     ("bench_read_ahead.py", ["--max-steps", "3"], "--max-steps 3: too few steps for a median"),  # a StatisticsError
+    # its runs' folders are its own: a user's --out-dir was silently replaced by a temporary one
+    ("bench_read_ahead.py", ["--", "--out-dir", "{tmp}/mine"], "train_dp.py --out-dir {tmp}/mine: bench_read_ahead.py "
+     "runs the trainer in temporary folders of its own"),
     # an output that cannot be written, said before the measurements (was a traceback after them, the tables lost)
     ("bench.py", [*TOY_BENCH, "--json", "{tmp}/missing/bench.json"], "--json {tmp}/missing/bench.json: its folder "
      "does not exist"),
