@@ -5,6 +5,7 @@ import atexit
 import contextlib
 import fcntl
 import functools
+import gzip
 import io
 import json
 import os
@@ -102,6 +103,16 @@ def exclusive(lock: Path):
     with open(lock, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         yield
+
+
+@pytest.fixture(scope="module")
+def h100_trace(tmp_path_factory) -> Path:
+    """tests/fixtures/'s trace of an H100's two steps (its README), unpacked as the trainer writes it."""
+    path = tmp_path_factory.mktemp("h100") / "run" / "profile" / "rank0.steps25-26.pt.trace.json"
+    path.parent.mkdir(parents=True)
+    with gzip.open(REPO / "tests/fixtures/h100-ddp-packed-compiled.rank0.steps25-26.pt.trace.json.gz") as f:
+        path.write_bytes(f.read())
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ reduce-scatters each layer's gradients. A run without the flag traces nothing; a
 checks everything it will need before it writes anything, and keeps its trace however it ends.
 A GPU's step (tests/fixtures/, an H100's) is read from the GPU's own timeline."""
 
-import gzip
 import json
 import math
 import os
@@ -234,15 +233,6 @@ def test_a_gpu_steps_figures_are_its_kernels_within_the_gpus_own_span(tmp_path):
 
 
 # ---- a GPU's step: an H100's trace (tests/fixtures/README.md) -----------------------------
-
-@pytest.fixture(scope="module")
-def h100_trace(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("h100") / "run" / "profile" / "rank0.steps25-26.pt.trace.json"
-    path.parent.mkdir(parents=True)
-    with gzip.open(REPO / "tests/fixtures/h100-ddp-packed-compiled.rank0.steps25-26.pt.trace.json.gz") as f:
-        path.write_bytes(f.read())
-    return path
-
 
 def test_a_gpu_trace_lists_each_step_once_with_its_backward_on_autograds_thread(h100_trace, capsys):
     """Each step is marked on the CPU and again on the GPU's stream: listed once. Backward runs

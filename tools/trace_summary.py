@@ -20,6 +20,9 @@ marks it again on the GPU's stream, which gives the GPU's own span of the step).
                threads, or NCCL's kernels on the GPU (none in a world of one)
   overlapped   the part of the communication time during which compute also ran
   data wait    the trainer's mark around its wait for the step's batches (read ahead)
+  by kind      the step's kernels' time (on a CPU the operators' own time) in matmuls, attention,
+               the loss, the optimizer, communication and the rest: each kernel the step launched,
+               the optimizer's too, which run after the GPU's span (tools/kernel_kinds.py)
 docs/profiling.md shows how to read them.
 """
 
@@ -30,6 +33,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
+from tools import kernel_kinds  # noqa: E402
+from tools.kernel_kinds import OPTIMIZER_MARK, communicates, thread  # noqa: E402
 from training import corpus, errors, stopping  # noqa: E402
 from training.errors import UsageError, first_line, path_argument  # noqa: E402
 from training.profiling import DATA_WAIT_MARK, EVALUATION_MARK, MICRO_STEP_MARK, STEP_MARK  # noqa: E402
@@ -76,9 +81,9 @@ def clip(intervals, start, end):
     return [(max(a, start), min(b, end)) for a, b in intervals if b > start and a < end]
 
 
-def self_time(events, left_out=lambda event: False) -> list[tuple[float, float]]:
-    """The intervals in which each event of one thread ran itself, not one of the events it
-    holds: an operator's own work, without the operators it called (and none of left_out's)."""
+def self_time(events, left_out=lambda event: False) -> list[tuple[float, float, dict]]:
+    """The intervals (start, end, the event) in which each event of one thread ran itself, not one of
+    the events it holds: an operator's own work, without the operators it called (and none of left_out's)."""
     own, stack = [], []  # stack: [event, its children's intervals]
 
     def close(event, children):
@@ -87,10 +92,10 @@ def self_time(events, left_out=lambda event: False) -> list[tuple[float, float]]
         at = event["ts"]
         for start, end in union(children):
             if start > at:
-                own.append((at, start))
+                own.append((at, start, event))
             at = max(at, end)
         if at < end_of(event):
-            own.append((at, end_of(event)))
+            own.append((at, end_of(event), event))
 
     for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
         while stack and end_of(stack[-1][0]) <= e["ts"]:
@@ -193,13 +198,12 @@ def one_after_another(path, marks: list[dict], lane: str) -> list[int]:
 
 
 def summarize(path) -> list[dict]:
-    """One dict a step, each once: step, ts_us (its start in the trace's clock), ms, compute_ms, data_wait_ms (data_waits: when),
-    communication_ms,
-    overlapped_ms, micro_steps (each {"forward": (start, end), "backward": (start, end) or
-    None}), optimizer, evaluation (each (start, end)), collectives (each {"kind", "phase",
-    "start", "end", "elements"}) and, on a GPU, gpu: the GPU's span of the step and its kernels
-    (each (start, end, what): "compute" or a collective's kind). Times in ms from the step's
-    start on the training thread; the GPU's events are on the same clock."""
+    """One dict a step, each once: step, ts_us (its start in the trace's clock), ms, compute_ms, data_wait_ms
+    (data_waits: when), communication_ms, overlapped_ms, kinds (kernel_kinds.by_kind), micro_steps (each
+    {"forward": (start, end), "backward": (start, end) or None}), optimizer, evaluation (each (start, end)),
+    collectives (each {"kind", "phase", "start", "end", "elements"}) and, on a GPU, gpu: the GPU's span of the
+    step and its kernels (each (start, end, what): "compute" or a collective's kind). Times in ms from the
+    step's start on the training thread; the GPU's events are on the same clock."""
     events = read_trace(path)
     gpu_marks = [e for e in events if e.get("cat") == "gpu_user_annotation"]
     steps = sorted((e for e in events if e["name"].startswith(STEP_MARK) and e.get("cat") != "gpu_user_annotation"),
@@ -221,18 +225,20 @@ def summarize(path) -> list[dict]:
     kernels = [e for e in events if e.get("cat") == "kernel"]
     collectives = launched_collectives(ours, kernels)
     if kernels:
-        busy = union((e["ts"], end_of(e)) for e in kernels if "nccl" not in e["name"].lower())
-        moving = union((e["ts"], end_of(e)) for e in kernels if "nccl" in e["name"].lower())
+        busy = union((e["ts"], end_of(e)) for e in kernels if not communicates(e["name"]))
+        moving = union((e["ts"], end_of(e)) for e in kernels if communicates(e["name"]))
+        work = kernel_kinds.kernel_work(kernels, ours)
     else:
         ops = [e for e in on_main if e.get("cat") == "cpu_op"]
         # ATen's operators are the work; the autograd engine's functions, FSDP's and DDP's hooks
         # and c10d's calls hold them, and their own time is bookkeeping or a wait
-        busy = union(self_time(ops, left_out=lambda e: not e["name"].startswith("aten::")))
+        own = self_time(ops, left_out=lambda e: not e["name"].startswith("aten::"))
+        busy, work = union((a, b) for a, b, _ in own), [(e["name"], a, b, (thread(e), e["ts"])) for a, b, e in own]
         moving = union((c["ts"], c["end"]) for c in collectives)
     named = lambda *names: [e for e in on_main if e["name"] in names or e["name"].startswith(names)]  # noqa: E731
     waits = union((e["ts"], end_of(e)) for e in named(DATA_WAIT_MARK) or named(OLD_DATA_WAIT))  # the mark, or as was
     evaluations = named(EVALUATION_MARK)
-    optimizer = named("Optimizer.step#")
+    optimizer, marks = named(OPTIMIZER_MARK), kernel_kinds.marked(ours)
     backward = sorted((e for e in ours if e["name"].startswith(BACKWARD)), key=lambda e: e["ts"])
     micro_marks = named(MICRO_STEP_MARK)
     forwards = next((found for mark in FORWARD_MARKS if (found := [e for e in on_main if e["name"] == mark])), [])
@@ -257,12 +263,13 @@ def summarize(path) -> list[dict]:
             "micro_steps": [{"forward": tuple(map(ms, m["forward"])),
                              "backward": m["backward"] and tuple(map(ms, m["backward"]))} for m in micro],
             "optimizer": ms(opt) if opt < end else None,
-            "evaluation": [tuple(map(ms, span)) for span in evaluating], "collectives": placed}
+            "evaluation": [tuple(map(ms, span)) for span in evaluating], "collectives": placed,
+            "kinds": kernel_kinds.by_kind(work, (start, end), window, marks)}
         if kernels:
             summary["gpu"] = {"start": ms(window[0]), "end": ms(window[1]), "kernels": [
                 (ms(a), ms(b), "compute") for a, b in compute] + [
                 (ms(e["ts"]), ms(end_of(e)), nccl_kind(e["name"])) for e in kernels
-                if "nccl" in e["name"].lower() and window[0] <= e["ts"] < window[1]]}
+                if communicates(e["name"]) and window[0] <= e["ts"] < window[1]]}
         summaries.append(summary)
     return summaries
 
@@ -359,7 +366,16 @@ def describe(summary: dict) -> list[str]:
     for (kind, where), found in groups.items():
         ms = sum(c["end"] - c["start"] for c in found)
         lines.append(f"    {len(found)} x {kind}, {where}: {ms:.1f} ms")
-    return lines
+    what = "kernels" if "gpu" in summary else "ATen operators' own time"
+    return lines + ["    " + line for line in kernel_kinds.describe(summary["kinds"], what)]
+
+
+def kernel_time_by_kind(path) -> dict[int, dict]:
+    """Each traced step's kernel time by kind, by step number: {"ms": the step's span (on a GPU the GPU's),
+    "total_ms", "kinds", "rest_top"} (kernel_kinds.by_kind: the kernels' own durations, or on a CPU the
+    operators' own time)."""
+    return {s["step"]: {"ms": s["gpu"]["end"] - s["gpu"]["start"] if "gpu" in s else s["ms"], **s["kinds"]}
+            for s in summarize(path)}
 
 
 def trace_name(path) -> str:
