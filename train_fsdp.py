@@ -27,14 +27,20 @@ from training import build, config, evaluation, launch, memory, metrics, profili
 from training import checkpoint, run_folder, sharded_checkpoint, stopping, turns  # saving, stopping, data in turns
 
 
-def shard(model, mesh, dtype: torch.dtype):
+def shard(model, mesh, dtype: torch.dtype, keep_last_layer_gathered: bool = False):
     """FSDP: shard the model in place, in groups gathered whole only while they run: each layer
     (gathered again for backward), the embedding, the final norm with the LM head (kept into
     backward, which starts with them: bench_grouping.py). MixedPrecisionPolicy replaces
-    autocast: gathered in `dtype` to compute, gradients reduced in fp32 into fp32 shards."""
+    autocast: gathered in `dtype` to compute, gradients reduced in fp32 into fp32 shards.
+    keep_last_layer_gathered (a candidate, off until a GPU has measured it): the last layer kept
+    gathered too, as torchtitan keeps it: its backward runs right after the head's, so
+    resharding it after forward only gathers it again; the price, one layer's gathered weights
+    held through the head's loss."""
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for layer in model.base_model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    layers = model.base_model.layers
+    for layer in layers:
+        kept = keep_last_layer_gathered and layer is layers[-1]
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=not kept)
     fully_shard(model.base_model.embed_tokens, mesh=mesh, mp_policy=policy)
     fully_shard([model.base_model.norm, model.lm_head], mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     return fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: starts each forward's gathers
