@@ -27,19 +27,20 @@ from training import build, config, evaluation, launch, memory, metrics, profili
 from training import checkpoint, run_folder, sharded_checkpoint, stopping, turns  # saving, stopping, data in turns
 
 
-def shard(model, mesh, dtype: torch.dtype, keep_last_layer_gathered: bool = False):
+def shard(model, mesh, dtype: torch.dtype, layers_kept_gathered: int = 0):
     """FSDP: shard the model in place, in groups gathered whole only while they run: each layer
     (gathered again for backward), the embedding, the final norm with the LM head (kept into
     backward, which starts with them: bench_grouping.py). MixedPrecisionPolicy replaces
     autocast: gathered in `dtype` to compute, gradients reduced in fp32 into fp32 shards.
-    keep_last_layer_gathered (a candidate, off until a GPU has measured it): the last layer kept
-    gathered too, as torchtitan keeps it: its backward runs right after the head's, so
-    resharding it after forward only gathers it again; the price, one layer's gathered weights
-    held through the head's loss."""
+    layers_kept_gathered (a candidate, 0 until a GPU has measured it): the last N layers kept
+    gathered too, from forward into backward. 1, as torchtitan keeps the last: its backward
+    runs right after the head's, so resharding it after forward only gathers it again. All of
+    them: no gather in backward at all (ZeRO-2's trade), the whole model's weights in `dtype`
+    held through the step. The price, those layers' gathered weights held through the loss."""
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     layers = model.base_model.layers
-    for layer in layers:
-        kept = keep_last_layer_gathered and layer is layers[-1]
+    for i, layer in enumerate(layers):
+        kept = i >= len(layers) - layers_kept_gathered
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=not kept)
     fully_shard(model.base_model.embed_tokens, mesh=mesh, mp_policy=policy)
     fully_shard([model.base_model.norm, model.lm_head], mesh=mesh, mp_policy=policy, reshard_after_forward=False)

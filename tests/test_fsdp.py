@@ -482,29 +482,34 @@ def test_fsdp_builds_no_whole_model_and_draws_the_initial_weights_of_one_process
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.compile)], ids=["eager", "compiled"])
-def test_keep_last_layer_gathered_keeps_the_last_layer_alone_gathered_into_backward_and_trains_the_same_model(
+def test_layers_kept_gathered_keeps_the_last_layers_alone_gathered_into_backward_and_trains_the_same_model(
         tmp_path, compiled):
-    """train_fsdp.shard's candidate (off by default), on 2 ranks: after forward, and until
-    backward, the last decoder layer's parameters are its gathered weights, as the norm's and
-    LM head's are; every other layer's are its shards again, as without it. Backward reshards
+    """train_fsdp.shard's candidate (0 by default), on 2 ranks: with layers_kept_gathered 1, after
+    forward and until backward, the last decoder layer's parameters are its gathered weights, as
+    the norm's and LM head's are; every other layer's are its shards again, as without it; with
+    2, every layer's. Backward reshards
     them all. Three steps with clipping acting, and an evaluation forward after each (whose
     kept units no backward reshards), log the same losses and gradient norms and end with the
     same weights as the default, bitwise: the same gathered values, used without gathering
     them again. Eager, and with each layer compiled before sharding, as --compile does."""
     found = tmp_path / "found.json"
     # real: its ranks end with os._exit, and a forked rank's torchrun waits for its return value
-    run_script("tests/fsdp_keep_last_layer.py", [str(found), *(["compile"] if compiled else [])], nproc=2,
+    run_script("tests/fsdp_layers_kept_gathered.py", [str(found), *(["compile"] if compiled else [])], nproc=2,
                real_torchrun=True)
     result = json.loads(found.read_text())
-    plain, kept = result["plain"], result["kept"]
+    plain, kept, all_kept = result["plain"], result["kept"], result["all kept"]
     rest = ["base_model.embed_tokens", "base_model.layers.0", "base_model.layers.1"]  # the debug model's 2 layers
     head = {"base_model.norm": "gathered", "lm_head": "gathered"}
     assert plain["after forward"] == {**dict.fromkeys(rest, "sharded"), **head}
     assert kept["after forward"] == {**dict.fromkeys(rest[:2], "sharded"), rest[2]: "gathered", **head}
-    assert plain["after backward"] == kept["after backward"] == dict.fromkeys([*rest, *head], "sharded")
+    assert all_kept["after forward"] == {rest[0]: "sharded", **dict.fromkeys(rest[1:], "gathered"), **head}
+    for run in (plain, kept, all_kept):
+        assert run["after backward"] == dict.fromkeys([*rest, *head], "sharded")
     assert min(plain["grad norms"]) > 0.05  # --grad-clip 0.05: clipping acts at every step
-    assert kept["losses"] == plain["losses"] and kept["grad norms"] == plain["grad norms"]
-    assert result["differ"] == [] and result["weights"] == 21  # every weight of the model, bitwise
+    for run in (kept, all_kept):
+        assert run["losses"] == plain["losses"] and run["grad norms"] == plain["grad norms"]
+    assert result["differ"] == {"plain": [], "kept": [], "all kept": []}
+    assert result["weights"] == 21  # every weight of the model, bitwise
 
 
 def test_train_fsdp_gives_fully_shard_a_model_that_has_no_memory_yet(runs, tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
-"""Under torchrun: train_fsdp.shard without and with keep_last_layer_gathered, from the same
+"""Under torchrun: train_fsdp.shard with layers_kept_gathered 0 (the default), 1 and 2 (the debug
+model's every layer), from the same
 initial weights and batches (with argv[2] "compile", each layer and the LM head compiled before
 sharding, as train_fsdp.py --compile does). Records which units' registered parameters are
 gathered (plain tensors, not their DTensor shards) after forward and after backward, then
@@ -42,12 +43,12 @@ def units(model) -> dict:
     return found
 
 
-def trained(keep_last_layer_gathered: bool) -> dict:
+def trained(layers_kept_gathered: int) -> dict:
     model = build.model(cfg, 300, torch.float32, device="meta")
     if sys.argv[2:] == ["compile"]:
         for block in [*model.base_model.layers, model.lm_head]:
             block.compile()
-    shard(model, init_device_mesh("cpu", (world_size,)), torch.float32, keep_last_layer_gathered)
+    shard(model, init_device_mesh("cpu", (world_size,)), torch.float32, layers_kept_gathered)
     model.to_empty(device="cpu")
     build.init_weights(model, cfg)
     optimizer, scheduler = build.optimizer(model, cfg, STEPS)
@@ -71,12 +72,13 @@ def trained(keep_last_layer_gathered: bool) -> dict:
     return found
 
 
-plain, kept = trained(False), trained(True)
+runs = {"plain": trained(0), "kept": trained(1), "all kept": trained(2)}
 if rank == 0:
-    differ = [name for name in plain["weights"] if not torch.equal(plain["weights"][name], kept["weights"][name])]
-    found = {run: {key: value for key, value in found.items() if key != "weights"}
-             for run, found in (("plain", plain), ("kept", kept))}
-    Path(sys.argv[1]).write_text(json.dumps({**found, "differ": differ, "weights": len(plain["weights"])}))
+    plain = runs["plain"]["weights"]
+    differ = {run: [name for name in plain if not torch.equal(plain[name], found["weights"][name])]
+              for run, found in runs.items()}
+    found = {run: {key: value for key, value in found.items() if key != "weights"} for run, found in runs.items()}
+    Path(sys.argv[1]).write_text(json.dumps({**found, "differ": differ, "weights": len(plain)}))
 dist.destroy_process_group()
 # Ends here, without the interpreter's shutdown (see tests/fsdp_initial_weights.py: a rank that
 # reached it while gloo's threads still freed full_tensor's temporaries could abort).
