@@ -311,6 +311,11 @@ BAD_BENCH_FLAGS = [
     ("bench.py", [*TOY_BENCH, "--json", "{tmp}"], "--json {tmp} exists and is not a file"),
     ("bench_memory.py", ["--model", "tiny", "--batch", "1", "--seq-len", "32", "--steps", "1", "--json",
                          "{tmp}/missing/bench_memory.json"], "--json {tmp}/missing/bench_memory.json: its folder"),
+    # the report's folder is its own: a user's files there would be mixed with (or replaced by) the report's
+    ("gpu_report.py", ["--out", "benchmarks", "--device", "cpu"], "--out benchmarks: not an empty folder"),
+    ("gpu_report.py", ["--out", "{tmp}/r", "--device", "cuda"], "--device cuda: torch sees no CUDA GPU here"),
+    ("gpu_report.py", ["--out", "{tmp}/r", "--device", "cpu", "--model", "debug", "--seq-len", "4096"],
+     "--seq-len 4096 exceeds the debug model's 1024 positions"),
 ]
 
 

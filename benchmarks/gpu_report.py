@@ -1,0 +1,405 @@
+"""One command that measures the trainer on one GPU and writes one report: GPU time is rare and short.
+
+    python benchmarks/gpu_report.py --out DIR                                 # one CUDA GPU: about 8 minutes
+    python benchmarks/gpu_report.py --out DIR --device cpu --model debug      # the same rows on a CPU, in a minute
+
+DIR/report.md (and DIR/report.json) hold, in this order:
+  the machine   GPU, its memory and driver, torch, CUDA, cuDNN, CPU cores, the commit
+  the step      --model at --batch-size x --seq-len in --dtype auto's dtype, compiled as the trainers compile it
+                (on a GPU; --compile on a CPU), on rows of a FineWeb-shaped corpus made here in seconds: packed
+                (--pack) under DDP at world size 1 (the baseline), padded, FSDP, train_dp.py's whole-model
+                compile, and each candidate of the step (CANDIDATES) beside the baseline. Every row starts from
+                the same initial weights and trains the same batches, so its loss after the same steps shows
+                that it trains the same model; the baseline runs again last, to show the machine's drift
+  the profile   one traced step of the baseline (training/profiling.py's --profile), its kernel time by kind
+                (tools/trace_summary.py): where the step's time goes
+  the CUDA tests  tests/test_cuda.py, run while the corpus is made (each skips without a GPU)
+The report is rewritten after each row, so a run cut short keeps what it measured; a row that fails says why in
+one line and the rest go on; rows past --time-limit say so. docs/benchmarks.md says how to run it on a lent GPU.
+"""
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # before `datasets` is imported (by data.py)
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository root, from any folder
+from model import PRESETS  # noqa: E402
+from benchmarks.bench import free_port, peak_rss_gb  # noqa: E402
+from training import build, config, files, launch, metrics, profiling, stopping  # noqa: E402
+from training.errors import ArgumentParser, UsageError, at_least, first_line, path_argument  # noqa: E402
+
+# The step's candidates: each a switch on the model, turned on before compile and wrapping. None is the
+# trainers' default until a GPU measured it faster than the baseline in one run of this report.
+CANDIDATES = {
+    "fused-projections": ("q/k/v and gate/up as single matmuls (ops/fused_projections.py)",
+                          lambda model: model.fuse_projections()),
+    "chunked-loss": ("the LM head's loss chunked under compile (ops/chunked_loss.py)",
+                     lambda model: setattr(model.lm_head, "compiled_loss", "chunked")),
+}
+# FSDP's candidates: options of train_fsdp.shard
+FSDP_CANDIDATES = {
+    "last-layer-kept": ("the last layer kept gathered into backward", {"layers_kept_gathered": 1}),
+    "every-layer-kept": ("every layer kept gathered into backward", {"layers_kept_gathered": 10**6}),
+}
+BASELINE = "packed, DDP: the baseline"
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=path_argument, required=True, help="a new (or empty) folder for the report")
+    cuda = torch.cuda.is_available()
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if cuda else "cpu")
+    p.add_argument("--model", choices=sorted(PRESETS), help="default: article on a GPU, debug on a CPU")
+    p.add_argument("--batch-size", type=at_least(1), help="rows a step (default: 64 on a GPU, 8 on a CPU)")
+    p.add_argument("--seq-len", type=at_least(2), help="tokens a row (default: the --model preset's)")
+    p.add_argument("--steps", type=at_least(1), help="timed steps a row (default: 15 on a GPU, 3 on a CPU)")
+    p.add_argument("--warmup", type=at_least(1), help="untimed steps a row first, compiling (default: 3 GPU, 1 CPU)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, help="default: on a GPU, not on a CPU")
+    p.add_argument("--mb", type=at_least(1), help="MB of corpus to generate (default: 10 on a GPU, 1 on a CPU)")
+    p.add_argument("--time-limit", type=at_least(1), default=480,
+                   help="seconds for the whole report; rows not started by then are left out (default 480)")
+    p.add_argument("--tests", action=argparse.BooleanOptionalAction, default=True, help="run tests/test_cuda.py")
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch sees no CUDA GPU here (use --device cpu --model debug)")
+    args.model = args.model or ("article" if cuda else "debug")
+    preset = config.TRAINING_PRESETS[args.model]
+    args.batch_size = args.batch_size or (64 if cuda else 8)
+    args.seq_len = args.seq_len or preset["seq_len"]
+    args.steps = args.steps or (15 if cuda else 3)
+    args.warmup = args.warmup or (3 if cuda else 1)
+    args.compile = cuda if args.compile is None else args.compile
+    args.mb = args.mb or (10 if cuda else 1)
+    args.vocab_size = preset["vocab_size"]
+    if args.seq_len > PRESETS[args.model]["max_position_embeddings"]:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the {args.model} model's "
+                         f"{PRESETS[args.model]['max_position_embeddings']} positions")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {args.out}: not an empty folder; the report takes a folder of its own")
+    return args
+
+
+# ---- the machine ------------------------------------------------------------------------------
+
+def machine(device: torch.device) -> dict:
+    facts = {"torch": torch.__version__, "Python": platform.python_version(), "CPU cores": os.cpu_count(),
+             "commit": git("rev-parse", "--short", "HEAD") + (" (with changes)" if git("status", "--porcelain") else "")}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        facts = {"GPU": props.name, "GPU memory": f"{props.total_memory / 2**30:.1f} GiB",
+                 "driver": run_quietly(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+                 "CUDA": torch.version.cuda, "cuDNN": torch.backends.cudnn.version(), **facts}
+    else:
+        facts = {"CPU": platform.processor() or platform.machine(), **facts}
+    return facts
+
+
+def run_quietly(command: list[str], cwd=None) -> str:
+    """The command's first line of output; '?' where it cannot run."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30, cwd=cwd)
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    return (done.stdout.strip().splitlines() or ["?"])[0] if done.returncode == 0 else "?"
+
+
+def git(*command) -> str:
+    return run_quietly(["git", *command], cwd=ROOT)
+
+
+def start_cuda_tests(out: Path, cuda: bool) -> subprocess.Popen:
+    """tests/test_cuda.py in a process of its own, its output in cuda_tests.log (a few workers on a GPU)."""
+    command = [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-q", "-p", "no:cacheprovider",
+               "-n", "4" if cuda else "0"]
+    log = open(out / "cuda_tests.log", "w")
+    return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def cuda_tests_result(tests: subprocess.Popen, out: Path, seconds: float) -> str:
+    try:
+        tests.wait(timeout=max(60.0, seconds))
+    except subprocess.TimeoutExpired:
+        tests.kill()
+        tests.wait()
+        return f"stopped after {seconds:.0f} s (the report's time limit): see cuda_tests.log"
+    lines = (out / "cuda_tests.log").read_text(errors="replace").strip().splitlines()
+    summary = next((line.strip("= ") for line in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|error)", line)),
+                   f"pytest ended with status {tests.returncode}")
+    return f"{summary} (exit status {tests.returncode}; cuda_tests.log)"
+
+
+# ---- the rows ----------------------------------------------------------------------------------
+
+def rows() -> list[dict]:
+    """Every row the report measures, in the order it measures them (the most wanted first)."""
+    row = lambda name, **kw: {"name": name, "layout": "packed", "wrap": "DDP", "candidates": [], "fsdp": {}, **kw}
+    found = [row(BASELINE), row("packed, FSDP", wrap="FSDP")]
+    found += [row(f"packed, FSDP + {name}: {what}", wrap="FSDP", fsdp=options)
+              for name, (what, options) in FSDP_CANDIDATES.items()]
+    found += [row(f"packed, DDP + {name}: {what}", candidates=[name]) for name, (what, _) in CANDIDATES.items()]
+    if len(CANDIDATES) > 1:
+        found.append(row("packed, DDP + every candidate", candidates=list(CANDIDATES)))
+    found += [row("packed, one process, the whole model compiled (train_dp.py's)", wrap="one process"),
+              row("padded, DDP", layout="padded"), row(f"{BASELINE}, again (the machine's drift)")]
+    return found
+
+
+def build_row(spec: dict, cfg, vocab_size: int, device: torch.device, dtype: torch.dtype, mesh):
+    """The model as the trainer of spec["wrap"] builds, compiles and wraps it, with the row's candidates; its
+    optimizer, and its clipping of the gradients (the trainer's)."""
+    fsdp = spec["wrap"] == "FSDP"
+    raw = build.model(cfg, vocab_size, torch.float32 if fsdp else dtype, "meta" if fsdp else device)
+    for name in spec["candidates"]:
+        CANDIDATES[name][1](raw)
+    if cfg.compile and spec["wrap"] == "one process":
+        raw.compile()  # train_dp.py's: the whole model
+    elif cfg.compile:  # train_ddp.py's and train_fsdp.py's: each layer and the LM head apart
+        for block in [*raw.base_model.layers, raw.lm_head]:
+            block.compile()
+    model = raw
+    if fsdp:
+        import train_fsdp  # here: the DDP rows run on torch 2.5 too
+        train_fsdp.shard(raw, mesh, dtype, **spec["fsdp"])
+        raw.to_empty(device=device)
+        build.init_weights(raw, cfg)
+    elif spec["wrap"] == "DDP":
+        model = torch.nn.parallel.DistributedDataParallel(raw, device_ids=[device.index] if device.type == "cuda"
+                                                          else None, **launch.DDP_OPTIONS)
+    optimizer, scheduler = build.optimizer(raw, cfg, total_steps=10**6)
+
+    def clip():  # the gradient norm, clipped to --grad-clip, as each script computes it
+        if fsdp:
+            grads = [p.grad for p in raw.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads).full_tensor()
+            torch.nn.utils.clip_grads_with_norm_(raw.parameters(), cfg.grad_clip, norm)
+        else:
+            torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
+    return model, optimizer, scheduler, clip
+
+
+def measure(spec: dict, args, cfg, layouts: dict, device, dtype, mesh, flops_per_token: int, peak) -> dict:
+    """Warm-up steps (compiling), then the timed steps, on the layout's batches: one optimizer step a batch, as
+    the trainers step (the loss over the batch's targets, clipping, AdamW, the schedule). The data are on the
+    device already: the trainers' read-ahead keeps the feed off the step (benchmarks/bench_read_ahead.py)."""
+    model, optimizer, scheduler, clip = build_row(spec, cfg, layouts["vocab_size"], device, dtype, mesh)
+    batches = layouts[spec["layout"]]
+    losses = []
+
+    def step(x, y, *packing):
+        loss_sum = model(x, y, *packing)[0].sum()
+        (loss_sum / (y != -100).sum()).backward()
+        clip()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss_sum.detach() / (y != -100).sum())
+    for batch in batches[:args.warmup]:
+        step(*batch)
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for batch in batches[args.warmup:]:
+        step(*batch)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    timed = batches[args.warmup:]
+    tokens = sum(int((y != -100).sum()) for _, y, *_ in timed)
+    positions = sum(y.numel() for _, y, *_ in timed)
+    result = {"tokens_per_s": tokens / seconds, "positions_per_s": positions / seconds,
+              "mfu": tokens / seconds * flops_per_token / 1e12 / peak if peak else None,
+              "peak_gib": (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                           else peak_rss_gb() * 2**30) / 2**30,
+              "loss": losses[-1].item(), "steps": len(losses)}
+    if spec["name"] == BASELINE:
+        result["trace"] = profile_one_step(cfg, device, step, batches[0])
+    return result
+
+
+def profile_one_step(cfg, device, step, batch) -> str:
+    """One more step of the row, traced as --profile traces one (the trainer's marks included)."""
+    profiler = profiling.Profiler(cfg, 0, device, first_step=0, total_steps=1)
+    profiler.begin(1)
+    for micro_batch in profiler.micro_steps([batch]):
+        step(*micro_batch)
+    profiler.end(1)
+    return str(Path(cfg.out_dir) / profiling.PROFILE / f"{profiler.name()}{profiling.TRACE}")
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free(device):
+    """Between rows: the last row's model and its compiled code go (each row compiles afresh, as a new process
+    would: no row may run eager because the compiler's cache for a function is full)."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- the corpus ----------------------------------------------------------------------------------
+
+def make_layouts(args, out: Path, device) -> dict:
+    """A FineWeb-shaped corpus (bench_data.py's generator) of --mb MB and its BPE, made in the report's
+    folder, and warm-up + timed batches of each layout: padded (one window a row) and packed (--pack)."""
+    import datasets
+    import data
+    from benchmarks import bench_data, bench_packing
+    datasets.logging.set_verbosity_error()
+    path = out / "corpus" / f"fineweb_like_{args.mb}mb.parquet"
+    path.parent.mkdir(parents=True)
+    bench_data.generate(path, args.mb)
+    tokenizer_path = bench_data.bpe(path, args.vocab_size)
+    layouts = {"vocab_size": data.load_tokenizer(tokenizer_path).get_vocab_size()}
+    for name in ("padded", "packed"):
+        train = bench_packing.prepare(path, tokenizer_path, args.seq_len, name == "packed")[2]
+        n = args.warmup + args.steps
+        if len(train) < n * args.batch_size:
+            raise UsageError(f"--mb {args.mb}: its {len(train):,} {name} rows are fewer than {n} steps of "
+                             f"{args.batch_size}: raise --mb")
+        layouts[name] = bench_packing.batches(train, args.batch_size, n, device)
+        layouts[f"{name} padding"] = train.facts["padding"]
+    return layouts
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+def write_report(out: Path, report: dict):
+    """report.md and report.json, each written whole (rewritten after every row)."""
+    files.atomic_save(json.dumps(report, indent=2, default=str), out / "report.json")
+    files.atomic_save("\n".join(markdown(report)) + "\n", out / "report.md")
+
+
+def markdown(report: dict) -> list[str]:
+    a = report["args"]
+    lines = [f"# GPU report, {report['date']}", "", "`" + report["command"] + "`", "", "## The machine", "",
+             "| " + " | ".join(report["machine"]) + " |", "|" + "---|" * len(report["machine"]),
+             "| " + " | ".join(str(v) for v in report["machine"].values()) + " |", "",
+             f"## The step: `{a['model']}`, {a['batch_size']} x {a['seq_len']} tokens, {report['dtype']}, "
+             f"{'compiled' if a['compile'] else 'eager'}", "",
+             f"{a['warmup']} warm-up and {a['steps']} timed steps a row, each row from the same initial weights on the "
+             f"same batches (padding: {report.get('padding', '?')}). MFU counts real tokens (those with a target) at "
+             f"{report['peak_tflops'] or 'no known'} TFLOP/s; memory is "
+             f"{'the peak allocated' if a['device'] == 'cuda' else 'the process peak RSS so far'}.", "",
+             "| row | real tokens/s | positions/s | MFU | peak memory (GiB) | loss after the steps | vs the baseline |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    base = report["rows"].get(BASELINE, {}).get("tokens_per_s")
+    for name, r in report["rows"].items():
+        if "tokens_per_s" not in r:
+            lines.append(f"| {name} | {r.get('error', 'not run')} | | | | | |")
+            continue
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
+        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {r['positions_per_s']:,.0f} | {mfu} | "
+                     f"{r['peak_gib']:.2f} | {r['loss']:.4f} | {ratio} |")
+    lines += ["", *ratios(report)]
+    lines += ["", "## One profiled step of the baseline: kernel time by kind", ""] + report.get("profile", ["not run"])
+    lines += ["", "## The CUDA tests", "", f"`python -m pytest tests/test_cuda.py`: {report.get('cuda_tests', 'not run')}"]
+    return lines
+
+
+def ratios(report: dict) -> list[str]:
+    """The figures the step is judged by, each beside its target, and the run's own drift."""
+    speed = {name: r.get("tokens_per_s") for name, r in report["rows"].items()}
+    base, lines = speed[BASELINE], []
+    if base and report["rows"][BASELINE]["mfu"] is not None:
+        lines.append(f"- MFU of the baseline, on real tokens: {report['rows'][BASELINE]['mfu']:.1%} (the target: 45%)")
+    for name, what in (("packed, FSDP", "FSDP / DDP at world size 1 (the target: 0.95x)"),
+                       (f"{BASELINE}, again (the machine's drift)", "the baseline again, at the end / at the start")):
+        if base and speed[name]:
+            lines.append(f"- {what}: {speed[name] / base:.2f}x")
+    return lines
+
+
+def profile_lines(trace: str) -> list[str]:
+    """The traced step's kernel time by kind, the largest kernels of the rest, and trace_summary.py's lines."""
+    from tools import trace_summary
+    summary = trace_summary.summarize(trace)[-1]
+    step = summary["kinds"]
+    lines = [f"`profile/{Path(trace).name}`: {step['total_ms']:.1f} ms of kernels in a step of "
+             f"{trace_summary.kernel_time_by_kind(trace)[summary['step']]['ms']:.1f} ms.", "",
+             "| kind | ms a step | share |", "|---|---:|---:|"]
+    lines += [f"| {kind} | {ms:.1f} | {ms / (step['total_ms'] or 1):.1%} |" for kind, ms in step["kinds"].items()]
+    lines += ["", "The rest's largest: " + ", ".join(f"`{name[:80]}` {ms:.2f} ms" for name, ms in step["rest_top"][:5]),
+              "", "```", *trace_summary.describe(summary), "```"]
+    return lines
+
+
+def main(argv=None, leave_at_once=False):
+    args = parse_args(argv)
+    started = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = launch.compute_dtype("auto", device)  # sets TF32 for fp32 matmuls on a GPU, as the trainers do
+    report = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "args": vars(args),
+              "command": " ".join(["python", "benchmarks/gpu_report.py", *(sys.argv[1:] if argv is None else argv)]),
+              "machine": machine(device), "dtype": str(dtype).removeprefix("torch."),
+              "peak_tflops": metrics.peak_tflops(device, dtype), "rows": {r["name"]: {} for r in rows()}}
+    write_report(out, report)
+    tests = start_cuda_tests(out, device.type == "cuda") if args.tests else None
+    layouts = make_layouts(args, out, device)  # while the tests run: the CPU's work
+    report["padding"] = ", ".join(f"{name} {layouts[f'{name} padding']:.1%}" for name in ("padded", "packed"))
+    if tests:  # before any timing: the tests use the GPU too
+        report["cuda_tests"] = cuda_tests_result(tests, out, args.time_limit / 3)
+    write_report(out, report)
+
+    cfg = config.parse_args(["--model", args.model, "--seq-len", str(args.seq_len), "--batch-size",
+                             str(args.batch_size), "--pack", "--out-dir", str(out), "--profile", "--profile-warmup",
+                             "0", "--profile-steps", "1", *(["--compile"] if args.compile else [])])
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1)  # DDP and FSDP in a world of one
+    mesh = None
+    with contextlib.suppress(ImportError):
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(device.type, (1,))
+    flops = build.model(cfg, layouts["vocab_size"], dtype, "meta").flops_per_token(args.seq_len)  # shapes only
+    peak = report["peak_tflops"]
+    for spec in rows():
+        result = report["rows"][spec["name"]]
+        if time.perf_counter() - started > args.time_limit:
+            result["error"] = f"not run: the report's --time-limit of {args.time_limit} s was spent"
+        else:
+            try:
+                result.update(measure(spec, args, cfg, layouts, device, dtype, mesh, flops, peak))
+            except Exception as e:  # one row's failure (out of memory, a compile error) is its row's line
+                result["error"] = f"failed: {type(e).__name__}: {first_line(e)}"[:300]
+            free(device)
+        if "trace" in result:
+            try:
+                report["profile"] = profile_lines(result["trace"])
+            except Exception as e:
+                report["profile"] = [f"failed: {type(e).__name__}: {first_line(e)}"[:300]]
+        write_report(out, report)
+        print(f"{spec['name']}: {result}", flush=True)
+    report["seconds"] = time.perf_counter() - started
+    write_report(out, report)
+    print(f"report in {out / 'report.md'} after {report['seconds']:.0f} s", flush=True)
+    if leave_at_once:  # as bench.py's workers leave: gloo's teardown can deadlock right after the last collective
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    stopping.exit_on_usage_error(lambda: main(leave_at_once=True))  # bad flags: one line, exit status 2
