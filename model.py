@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ops import chunked_loss, packed_attention
+from ops import chunked_loss, fused_projections, packed_attention
 from ops.chunked_loss import IGNORE_INDEX
 
 
@@ -182,12 +182,15 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(C, self.num_kv_heads * D, bias=False)
         self.v_proj = nn.Linear(C, self.num_kv_heads * D, bias=False)
         self.o_proj = nn.Linear(self.num_heads * D, C, bias=False)
+        self.fused = False  # LlamaForPretraining.fuse_projections
 
     def forward(self, x, cos, sin, mask=None, kv_cache=None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        q, k, v = (fused_projections.linear(x, self.q_proj, self.k_proj, self.v_proj) if self.fused
+                   else (self.q_proj(x), self.k_proj(x), self.v_proj(x)))
+        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         # No padding mask, on purpose. Sequences are right-padded, so every real token sits
         # before every [PAD]: the causal mask alone already hides all pads from real tokens.
@@ -220,9 +223,12 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.fused = False  # LlamaForPretraining.fuse_projections
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        gate, up = (fused_projections.linear(x, self.gate_proj, self.up_proj) if self.fused
+                    else (self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(F.silu(gate) * up)  # SwiGLU
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -371,6 +377,11 @@ class LlamaForPretraining(nn.Module):
         """Each decoder layer recomputes its activations in backward instead of storing them."""
         for layer in self.base_model.layers:
             layer.activation_checkpointing = True
+
+    def fuse_projections(self):
+        """q, k, v and gate, up each as one matmul (ops/fused_projections.py); before compile and FSDP."""
+        for layer in self.base_model.layers:
+            layer.self_attn.fused = layer.mlp.fused = True
 
     def new_kv_caches(self, batch_size: int, max_len: int) -> list[KVCache]:
         """Empty caches, one per layer, for generating up to max_len positions in all."""
