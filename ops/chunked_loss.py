@@ -7,8 +7,10 @@ the decoder's own peak; at 64 x 512 on a GPU, 18 GiB. Here forward takes each ch
 logits, its loss and at once its gradients (softmax minus one-hot, then times the weight and
 times the hidden states: the three matmuls the plain backward does too, and no more), and
 frees the logits before the next chunk. Backward only scales the stored gradients. Only
-one chunk of logits is ever alive. tests/test_chunked_loss.py proves it equal to the plain
-formulation, which stays in tests/perturb.py (full_logits_loss) as the reference.
+one chunk of logits is ever alive. Compiled (LlamaLMHead.compiled_loss = "chunked"), each
+chunk's loss and gradient are pure operations instead, which inductor fuses.
+tests/test_chunked_loss.py proves it equal to the plain formulation, which stays in
+tests/perturb.py (full_logits_loss) as the reference.
 """
 
 import torch
@@ -28,6 +30,31 @@ def chunk_tokens(vocab_size: int, device: torch.device) -> int:
     return max(1, LOGITS_PER_CHUNK.get(device.type, 2**25) // vocab_size)
 
 
+def loss_and_gradient_in_place(logits, y, ignored):
+    """The summed loss of fp32 logits (n, V) against targets y (n,) where not ignored, and its
+    gradient (softmax minus the one-hot target; 0 in ignored rows), made in the logits' buffer."""
+    # log-softmax and softmax in place, in this one (n, V) buffer (logsumexp would make two more)
+    logits -= logits.amax(dim=-1, keepdim=True)
+    target = logits.gather(1, y[:, None]).squeeze(1)
+    probs = logits.exp_()
+    total = probs.sum(dim=-1)
+    loss = (total.log() - target).masked_fill(ignored, 0).sum()  # -log softmax at the target
+    grad = probs.div_(total[:, None])                              # softmax
+    grad[torch.arange(len(y), device=y.device), y] -= 1            # minus the one-hot target
+    return loss, grad.masked_fill_(ignored[:, None], 0)
+
+
+def loss_and_gradient(logits, y, ignored):
+    """The same in pure operations, for the compiler. Inductor fuses them into three passes over
+    the logits (their max, the sum of exponentials, the gradient in the compute dtype) and no
+    (n, V) tensor between; it leaves the in-place form two fp32 (n, V) buffers and a fourth pass
+    (the one-hot's index_put splits its fusion). Eager, each operation here would be a tensor."""
+    lse = logits.logsumexp(dim=-1)
+    loss = (lse - logits.gather(1, y[:, None]).squeeze(1)).masked_fill(ignored, 0).sum()
+    one_hot = torch.arange(logits.shape[1], device=y.device) == y[:, None]
+    return loss, ((logits - lse[:, None]).exp() - one_hot.float()).masked_fill(ignored[:, None], 0)
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, chunk: int, dtype: torch.dtype):
@@ -43,21 +70,16 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             logits = (x @ w.t()).float()                                   # (n, V): the only big tensor
             ignored = y == IGNORE_INDEX
             y = y.masked_fill(ignored, 0)
-            # log-softmax and softmax in place, in this one (n, V) buffer (logsumexp would make two more)
-            logits -= logits.amax(dim=-1, keepdim=True)
-            target = logits.gather(1, y[:, None]).squeeze(1)
-            probs = logits.exp_()
-            total = probs.sum(dim=-1)
-            losses.append((total.log() - target).masked_fill(ignored, 0).sum())  # -log softmax at the target
-            grad = probs.div_(total[:, None])                              # softmax
-            grad[torch.arange(len(y), device=y.device), y] -= 1            # minus the one-hot target
-            grad = grad.masked_fill_(ignored[:, None], 0).to(dtype)
+            per_chunk = loss_and_gradient if torch.compiler.is_compiling() else loss_and_gradient_in_place
+            loss, grad = per_chunk(logits, y, ignored)
+            losses.append(loss)
+            grad = grad.to(dtype)
             grad_h[start:start + chunk] = grad @ w
             if grad.dtype == grad_weight.dtype:
                 torch.addmm(grad_weight, grad.t(), x, out=grad_weight)  # in place: no (V, C) temporary
             else:
                 grad_weight += grad.t() @ x  # bf16 products, summed in fp32
-            del logits, probs, grad  # freed before the next chunk's logits exist
+            del logits, grad  # freed before the next chunk's logits exist
         ctx.save_for_backward(grad_h, grad_weight)
         ctx.weight_dtype = weight.dtype  # under FSDP, bf16: the gradient of a bf16 weight
         # A fresh tensor, not a `loss +=` total: torch 2.11's compiler, tracing a Function whose

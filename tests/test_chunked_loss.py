@@ -8,12 +8,14 @@ import tempfile
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch._dynamo.testing import EagerAndRecordGraphs
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import FLOOR_MULTIPLE, assert_same_model, assert_within, ddp_two_ranks, spied
-from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining
+from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, LlamaLMHead
 from perturb import full_logits_loss
 
 V, C = 4096, 64  # a vocabulary large beside the width: the logits dominate, as at V = 50,000
@@ -114,17 +116,26 @@ def allocated_peak(fn) -> int:
     return max(e["Total Allocated"] for e in events) - before
 
 
-def head_loss_and_gradients(loss_fn, order):
-    """The LM head alone, on 500 tokens (5 chunks), some targets ignored; rows taken in `order`.
-    Backward gets the mean's gradient, not 1, so that a misrouted incoming gradient shows."""
+def head_loss_and_gradients(loss_fn, order, head=None, dtype=torch.float32):
+    """The LM head alone (a fresh one unless given: its weight is drawn anew), on 500 tokens
+    (5 chunks), some targets ignored; rows taken in `order`, loss_fn(h, head, targets) under
+    autocast to dtype. Backward gets the mean's gradient, not 1, so that a misrouted incoming
+    gradient shows."""
     g = torch.Generator().manual_seed(2)
     h = torch.randn(500, C, generator=g)[order].requires_grad_()
-    weight = (0.02 * torch.randn(V, C, generator=g)).requires_grad_()
+    head = head or LlamaLMHead(C, V)
+    with torch.no_grad():
+        head.weight.copy_(0.02 * torch.randn(V, C, generator=g))
+    head.weight.grad = None
     targets = torch.randint(0, V, (500,), generator=g)
     targets[::7] = IGNORE_INDEX
-    loss = loss_fn(h, weight, targets[order])
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        loss = loss_fn(h, head, targets[order])
     (loss / (targets != IGNORE_INDEX).sum()).backward()
-    return loss.item(), {"h": h.grad[order.argsort()], "weight": weight.grad}
+    return loss.item(), {"h": h.grad[order.argsort()], "weight": head.weight.grad}
+
+
+IN_ORDER, REVERSED_ROWS = torch.arange(500), torch.arange(500).flip(0)
 
 
 def test_compiled_the_chunked_loss_gives_the_loss_and_gradients_of_eager():
@@ -135,16 +146,64 @@ def test_compiled_the_chunked_loss_gives_the_loss_and_gradients_of_eager():
     `loss += ...` the same way gives 0 gradients too (the mutant this test fails on)."""
     from ops.chunked_loss import ChunkedCrossEntropy
 
-    def loss_fn(h, weight, targets):
-        return ChunkedCrossEntropy.apply(h, weight, targets, 100, torch.float32)
+    def loss_fn(h, head, targets):
+        return ChunkedCrossEntropy.apply(h, head.weight, targets, 100, torch.float32)
     torch._dynamo.reset()
     compiled = torch.compile(loss_fn, backend="aot_eager", fullgraph=True)
-    in_order, reversed_rows = torch.arange(500), torch.arange(500).flip(0)
-    eager = head_loss_and_gradients(loss_fn, in_order)
-    floor = distance(head_loss_and_gradients(loss_fn, reversed_rows), eager)  # the same tokens, another order
-    traced = head_loss_and_gradients(compiled, in_order)
+    eager = head_loss_and_gradients(loss_fn, IN_ORDER)
+    floor = distance(head_loss_and_gradients(loss_fn, REVERSED_ROWS), eager)  # the same tokens, another order
+    traced = head_loss_and_gradients(compiled, IN_ORDER)
     assert all(grad.abs().max() > 0 for grad in traced[1].values())
     assert_within("compiled vs eager", distance(traced, eager), floor, FLOOR_MULTIPLE)
+
+
+def plain_head_loss(h, head, targets):
+    return full_logits_loss(head, h, targets)  # eager, whether or not the head is compiled
+
+
+@pytest.mark.compile
+def test_compiled_with_compiled_loss_chunked_the_head_gives_the_plain_loss_and_gradients():
+    """The head compiled in place (inductor, as train_ddp.py does) with compiled_loss =
+    "chunked" against the eager plain formulation: in fp32 within the floor of the same tokens
+    in another order; in bf16 as close to fp32 as the plain formulation's own bf16 (the bf16
+    products of the weight's gradient are summed chunk by chunk, where the plain one rounds
+    their whole sum once: another rounding, not a reordering). No gradient is 0 (torch 2.11)."""
+    torch._dynamo.reset()
+    head = LlamaLMHead(C, V)
+    head.chunk_tokens, head.compiled_loss = 100, "chunked"
+    head.compile()
+    plain = head_loss_and_gradients(plain_head_loss, IN_ORDER, head)
+    floor = distance(head_loss_and_gradients(plain_head_loss, REVERSED_ROWS, head), plain)
+    ours = head_loss_and_gradients(lambda h, head, targets: head(h, targets), IN_ORDER, head)
+    assert all(grad.abs().max() > 0 for grad in ours[1].values())
+    assert_within("compiled chunked vs plain", distance(ours, plain), floor, FLOOR_MULTIPLE)
+    bf16_floor = distance(head_loss_and_gradients(plain_head_loss, IN_ORDER, head, torch.bfloat16), plain)
+    ours = head_loss_and_gradients(lambda h, head, targets: head(h, targets), IN_ORDER, head, torch.bfloat16)
+    assert all(grad.abs().max() > 0 for grad in ours[1].values())
+    assert_within("bf16 compiled chunked vs fp32 plain", distance(ours, plain), bf16_floor, 2)
+
+
+def test_compiled_loss_chooses_the_formulation_the_compiler_traces():
+    """Dynamo's graph of the compiled head (fullgraph: no graph break; called twice: one graph,
+    no recompile) applies ChunkedCrossEntropy with compiled_loss = "chunked", and F.cross_entropy
+    over every logit with the default, "plain"."""
+    g = torch.Generator().manual_seed(2)
+    h, targets = torch.randn(500, C, generator=g, requires_grad=True), torch.randint(0, V, (500,), generator=g)
+    traced = {}
+    for setting in [None, "chunked"]:  # None: the default
+        torch._dynamo.reset()
+        head, backend = LlamaLMHead(C, V), EagerAndRecordGraphs()
+        head.compiled_loss = setting or head.compiled_loss
+        head.compile(backend=backend, fullgraph=True)
+        for _ in range(2):
+            head(h, targets).backward()
+        assert len(backend.graphs) == 1
+        traced[head.compiled_loss] = [n for n in backend.graphs[0].graph.nodes if n.op == "call_function"]
+    assert F.cross_entropy in [n.target for n in traced["plain"]]
+    assert not any(n.target is torch.ops.higher_order.autograd_function_apply for n in traced["plain"])
+    applied = [n for n in traced["chunked"] if n.target is torch.ops.higher_order.autograd_function_apply]
+    assert len(applied) == 1 and "ChunkedCrossEntropy.apply" in applied[0].meta["stack_trace"]
+    assert F.cross_entropy not in [n.target for n in traced["chunked"]]
 
 
 def test_only_one_chunk_of_logits_is_ever_alive_in_forward_or_backward():
