@@ -280,15 +280,10 @@ class LlamaLMHead(nn.Linear):
     it returns their summed loss instead of the logits, computed inside its own forward, so
     that FSDP gathers its weight for it and DDP and DataParallel see one ordinary forward."""
 
-    # The loss under compile: "plain" (the default, below) or "chunked", ChunkedCrossEntropy traced
-    # by the compiler, each chunk's loss and gradient fused in forward. A candidate for the step
-    # (issue 59): an H100 profile spent 4.6 ms of an 80 ms step in the plain loss's log-softmax;
-    # benchmarks/gpu_report.py measures the two side by side. Set on an instance or on the class.
-    compiled_loss = "plain"
-
     def __init__(self, hidden_size: int, vocab_size: int):
         super().__init__(hidden_size, vocab_size, bias=False)
         self.chunk_tokens = None  # tokens a chunk (None: chunked_loss.chunk_tokens for the device)
+        self.compiled_loss = "plain"  # or "chunked", a candidate: benchmarks/gpu_report.py measures both
 
     def forward(self, h, targets=None):
         if targets is None:
@@ -297,8 +292,8 @@ class LlamaLMHead(nn.Linear):
         if torch.compiler.is_compiling() and self.compiled_loss == "plain":
             # Compiled, the plain formulation: inductor fuses the loss so that only the
             # compute-dtype logits stay alive, and it is the faster one. On an H200 the
-            # compiled chunks ran at 0.84x its speed, saving 0.6-1.5 GiB of its 3.2; on a
-            # CPU, 0.83x, with a fifth of the memory (docs/benchmarks.md).
+            # compiled chunks ran at 0.84x its speed, saving 0.6-1.5 GiB of its 3.2 (with
+            # their in-place form; docs/benchmarks.md). "chunked" traces ChunkedCrossEntropy.
             return F.cross_entropy(super().forward(h).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
         dtype = compute_dtype(h)
         chunk = self.chunk_tokens or chunked_loss.chunk_tokens(self.out_features, h.device)
