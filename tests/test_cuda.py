@@ -268,3 +268,43 @@ def test_dataparallel_scatters_the_row_structure_with_the_rows(full_fp32):
         split = torch.nn.DataParallel(model, device_ids=[0, 1])(*batch)[0].sum()
     floor = max(((flipped - whole).abs() / whole).item(), torch.finfo(torch.float32).eps)
     assert_within("DataParallel vs one module", ((split - whole).abs() / whole).item(), floor, FLOOR_MULTIPLE)
+
+
+# ---- the step's candidates (benchmarks/gpu_report.py), compiled on the GPU ----------------------
+
+def loss_and_gradients(model, x, y) -> list[torch.Tensor]:
+    loss_sum, n_tokens = model(x, y)
+    (loss_sum.sum() / n_tokens.sum()).backward()
+    return [loss_sum.detach(), *(p.grad for p in model.parameters())]
+
+
+def candidate_distances(config, device) -> dict:
+    """Each candidate of gpu_report.CANDIDATES, compiled in bf16 as train_ddp.py compiles (each layer and the
+    LM head), its loss and every gradient against the fp32 model's (relative, the farthest tensor); and the
+    baseline's, compiled the same way without it: bf16's own distance, the floor."""
+    from benchmarks.gpu_report import CANDIDATES
+    torch.manual_seed(0)
+    plain = LlamaForPretraining(config).to(device)
+    plain.lm_head.chunk_tokens = 96  # a few chunks of the 4 x 64 tokens (the chunked loss)
+    x = torch.randint(0, config.vocab_size, (4, 64), device=device)
+    y = torch.where(torch.rand(x.shape, device=device) < 0.1, -100, torch.roll(x, -1, 1))  # some ignored
+    reference = loss_and_gradients(copy.deepcopy(plain), x, y)
+    distances = {}
+    for name, turn_on in [("baseline", lambda model: None), *((n, c[1]) for n, c in CANDIDATES.items())]:
+        model = copy.deepcopy(plain)
+        model.compute_dtype = torch.bfloat16
+        turn_on(model)
+        for block in [*model.base_model.layers, model.lm_head]:
+            block.compile()
+        distances[name] = relative_distance(loss_and_gradients(model, x, y), reference)
+    return distances
+
+
+def test_the_steps_candidates_compiled_in_bf16_train_what_the_baseline_trains(small_config, full_fp32):
+    """Each candidate gpu_report.py measures (fused projections, the chunked loss under compile) computes,
+    compiled in bf16 on the GPU, the loss and gradients of the fp32 model as closely as the baseline does:
+    within 2x of bf16's own distance (CPU equivalents: tests/test_fused_projections.py, test_chunked_loss.py)."""
+    distances = candidate_distances(small_config, torch.device("cuda"))
+    floor = distances.pop("baseline")
+    for name, distance in distances.items():
+        assert_within(name, distance, floor, 2)
