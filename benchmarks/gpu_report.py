@@ -39,7 +39,7 @@ import torch.distributed as dist  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root, from any folder
 from model import PRESETS  # noqa: E402
-from benchmarks.bench import free_port, peak_rss_gb  # noqa: E402
+from benchmarks.bench import free_port, peak_rss_gb, sync  # noqa: E402
 from training import build, config, files, launch, metrics, profiling, stopping  # noqa: E402
 from training.errors import ArgumentParser, UsageError, at_least, first_line, path_argument  # noqa: E402
 
@@ -99,29 +99,33 @@ def parse_args(argv=None):
 # ---- the machine ------------------------------------------------------------------------------
 
 def machine(device: torch.device) -> dict:
+    changed = run_quietly(["git", "status", "--porcelain"]) not in ("", "?")  # files differ from the commit's
     facts = {"torch": torch.__version__, "Python": platform.python_version(), "CPU cores": os.cpu_count(),
-             "commit": git("rev-parse", "--short", "HEAD") + (" (with changes)" if git("status", "--porcelain") else "")}
+             "commit": run_quietly(["git", "rev-parse", "--short", "HEAD"]) + (" (with changes)" if changed else "")}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         facts = {"GPU": props.name, "GPU memory": f"{props.total_memory / 2**30:.1f} GiB",
                  "driver": run_quietly(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
                  "CUDA": torch.version.cuda, "cuDNN": torch.backends.cudnn.version(), **facts}
-    else:
-        facts = {"CPU": platform.processor() or platform.machine(), **facts}
-    return facts
+    return {**facts, "CPU": cpu_name()}
 
 
-def run_quietly(command: list[str], cwd=None) -> str:
-    """The command's first line of output; '?' where it cannot run."""
+def cpu_name() -> str:
+    """The processor's model name, as Linux gives it (else the architecture's)."""
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=30, cwd=cwd)
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
+def run_quietly(command: list[str]) -> str:
+    """The command's first line of output ('' for none), run in the repository; '?' where it cannot run."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30, cwd=ROOT)
     except (OSError, subprocess.TimeoutExpired):
         return "?"
-    return (done.stdout.strip().splitlines() or ["?"])[0] if done.returncode == 0 else "?"
-
-
-def git(*command) -> str:
-    return run_quietly(["git", *command], cwd=ROOT)
+    return (done.stdout.strip().splitlines() or [""])[0] if done.returncode == 0 else "?"
 
 
 def start_cuda_tests(out: Path, cuda: bool) -> subprocess.Popen:
@@ -212,13 +216,13 @@ def measure(spec: dict, args, cfg, layouts: dict, device, dtype, mesh, flops_per
         losses.append(loss_sum.detach() / (y != -100).sum())
     for batch in batches[:args.warmup]:
         step(*batch)
-    synchronize(device)
+    sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     for batch in batches[args.warmup:]:
         step(*batch)
-    synchronize(device)
+    sync(device)
     seconds = time.perf_counter() - start
     timed = batches[args.warmup:]
     tokens = sum(int((y != -100).sum()) for _, y, *_ in timed)
@@ -241,11 +245,6 @@ def profile_one_step(cfg, device, step, batch) -> str:
         step(*micro_batch)
     profiler.end(1)
     return str(Path(cfg.out_dir) / profiling.PROFILE / f"{profiler.name()}{profiling.TRACE}")
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def free(device):
