@@ -8,11 +8,11 @@ DIR/report.md (and DIR/report.json) hold, in this order:
   the step      --model at --batch-size x --seq-len in --dtype auto's dtype, compiled as the trainers compile it
                 (on a GPU; --compile on a CPU), on rows of a FineWeb-shaped corpus made here in seconds: packed
                 (--pack) under DDP at world size 1 (the baseline), padded, FSDP, train_dp.py's whole-model
-                compile, and each candidate of the step (CANDIDATES) beside the baseline. Every row starts from
-                the same initial weights and trains the same batches, so its loss after the same steps shows
-                that it trains the same model; the baseline runs again last, to show the machine's drift
-  the profile   one traced step of the baseline (training/profiling.py's --profile), its kernel time by kind
-                (tools/trace_summary.py): where the step's time goes
+                compile, and each candidate of the step beside the baseline (benchmarks/step_rows.py). Every
+                row starts from the same initial weights and trains the same batches, so its loss after the
+                same steps shows that it trains the same model; the baseline runs again last: the drift
+  the profiles  one traced step of the baseline and one of FSDP (training/profiling.py's --profile), their
+                kernel time by kind side by side (tools/trace_summary.py): where the step's time goes
   the CUDA tests  tests/test_cuda.py, run while the corpus is made (each skips without a GPU)
 The report is rewritten after each row, so a run cut short keeps what it measured; a row that fails says why in
 one line and the rest go on; rows past --time-limit say so. docs/benchmarks.md says how to run it on a lent GPU.
@@ -20,9 +20,7 @@ one line and the rest go on; rows past --time-limit say so. docs/benchmarks.md s
 
 import argparse
 import contextlib
-import gc
 import json
-import math
 import os
 import platform
 import re
@@ -38,25 +36,12 @@ import torch.distributed as dist  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root, from any folder
+from benchmarks import step_rows  # noqa: E402
+from benchmarks.bench import free_port  # noqa: E402
+from benchmarks.step_rows import BASELINE, FSDP  # noqa: E402
 from model import PRESETS  # noqa: E402
-from benchmarks.bench import free_port, peak_rss_gb, sync  # noqa: E402
-from training import build, config, files, launch, metrics, profiling, stopping  # noqa: E402
+from training import build, config, files, launch, metrics, stopping  # noqa: E402
 from training.errors import ArgumentParser, UsageError, at_least, first_line, path_argument  # noqa: E402
-
-# The step's candidates: each a switch on the model, turned on before compile and wrapping. None is the
-# trainers' default until a GPU measured it faster than the baseline in one run of this report.
-CANDIDATES = {
-    "fused-projections": ("q/k/v and gate/up as single matmuls (ops/fused_projections.py)",
-                          lambda model: model.fuse_projections()),
-    "chunked-loss": ("the LM head's loss chunked under compile (ops/chunked_loss.py)",
-                     lambda model: setattr(model.lm_head, "compiled_loss", "chunked")),
-}
-# FSDP's candidates: options of train_fsdp.shard
-FSDP_CANDIDATES = {
-    "last-layer-kept": ("the last layer kept gathered into backward", {"layers_kept_gathered": 1}),
-    "every-layer-kept": ("every layer kept gathered into backward", {"layers_kept_gathered": 10**6}),
-}
-BASELINE = "packed, DDP: the baseline"
 
 
 def parse_args(argv=None):
@@ -149,113 +134,6 @@ def cuda_tests_result(tests: subprocess.Popen, out: Path, seconds: float) -> str
     return f"{summary} (exit status {tests.returncode}; cuda_tests.log)"
 
 
-# ---- the rows ----------------------------------------------------------------------------------
-
-def rows() -> list[dict]:
-    """Every row the report measures, in the order it measures them (the most wanted first)."""
-    row = lambda name, **kw: {"name": name, "layout": "packed", "wrap": "DDP", "candidates": [], "fsdp": {}, **kw}
-    found = [row(BASELINE), row("packed, FSDP", wrap="FSDP")]
-    found += [row(f"packed, FSDP + {name}: {what}", wrap="FSDP", fsdp=options)
-              for name, (what, options) in FSDP_CANDIDATES.items()]
-    found += [row(f"packed, DDP + {name}: {what}", candidates=[name]) for name, (what, _) in CANDIDATES.items()]
-    if len(CANDIDATES) > 1:
-        found.append(row("packed, DDP + every candidate", candidates=list(CANDIDATES)))
-    found += [row("packed, one process, the whole model compiled (train_dp.py's)", wrap="one process"),
-              row("padded, DDP", layout="padded"), row(f"{BASELINE}, again (the machine's drift)")]
-    return found
-
-
-def build_row(spec: dict, cfg, vocab_size: int, device: torch.device, dtype: torch.dtype, mesh):
-    """The model as the trainer of spec["wrap"] builds, compiles and wraps it, with the row's candidates; its
-    optimizer, and its clipping of the gradients (the trainer's)."""
-    fsdp = spec["wrap"] == "FSDP"
-    raw = build.model(cfg, vocab_size, torch.float32 if fsdp else dtype, "meta" if fsdp else device)
-    for name in spec["candidates"]:
-        CANDIDATES[name][1](raw)
-    if cfg.compile and spec["wrap"] == "one process":
-        raw.compile()  # train_dp.py's: the whole model
-    elif cfg.compile:  # train_ddp.py's and train_fsdp.py's: each layer and the LM head apart
-        for block in [*raw.base_model.layers, raw.lm_head]:
-            block.compile()
-    model = raw
-    if fsdp:
-        import train_fsdp  # here: the DDP rows run on torch 2.5 too
-        train_fsdp.shard(raw, mesh, dtype, **spec["fsdp"])
-        raw.to_empty(device=device)
-        build.init_weights(raw, cfg)
-    elif spec["wrap"] == "DDP":
-        model = torch.nn.parallel.DistributedDataParallel(raw, device_ids=[device.index] if device.type == "cuda"
-                                                          else None, **launch.DDP_OPTIONS)
-    optimizer, scheduler = build.optimizer(raw, cfg, total_steps=10**6)
-
-    def clip():  # the gradient norm, clipped to --grad-clip, as each script computes it
-        if fsdp:
-            grads = [p.grad for p in raw.parameters() if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads).full_tensor()
-            torch.nn.utils.clip_grads_with_norm_(raw.parameters(), cfg.grad_clip, norm)
-        else:
-            torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
-    return model, optimizer, scheduler, clip
-
-
-def measure(spec: dict, args, cfg, layouts: dict, device, dtype, mesh, flops_per_token: int, peak) -> dict:
-    """Warm-up steps (compiling), then the timed steps, on the layout's batches: one optimizer step a batch, as
-    the trainers step (the loss over the batch's targets, clipping, AdamW, the schedule). The data are on the
-    device already: the trainers' read-ahead keeps the feed off the step (benchmarks/bench_read_ahead.py)."""
-    model, optimizer, scheduler, clip = build_row(spec, cfg, layouts["vocab_size"], device, dtype, mesh)
-    batches = layouts[spec["layout"]]
-    losses = []
-
-    def step(x, y, *packing):
-        loss_sum = model(x, y, *packing)[0].sum()
-        (loss_sum / (y != -100).sum()).backward()
-        clip()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss_sum.detach() / (y != -100).sum())
-    for batch in batches[:args.warmup]:
-        step(*batch)
-    sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    for batch in batches[args.warmup:]:
-        step(*batch)
-    sync(device)
-    seconds = time.perf_counter() - start
-    timed = batches[args.warmup:]
-    tokens = sum(int((y != -100).sum()) for _, y, *_ in timed)
-    positions = sum(y.numel() for _, y, *_ in timed)
-    result = {"tokens_per_s": tokens / seconds, "positions_per_s": positions / seconds,
-              "mfu": tokens / seconds * flops_per_token / 1e12 / peak if peak else None,
-              "peak_gib": (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                           else peak_rss_gb() * 2**30) / 2**30,
-              "loss": losses[-1].item(), "steps": len(losses)}
-    if spec["name"] == BASELINE:
-        result["trace"] = profile_one_step(cfg, device, step, batches[0])
-    return result
-
-
-def profile_one_step(cfg, device, step, batch) -> str:
-    """One more step of the row, traced as --profile traces one (the trainer's marks included)."""
-    profiler = profiling.Profiler(cfg, 0, device, first_step=0, total_steps=1)
-    profiler.begin(1)
-    for micro_batch in profiler.micro_steps([batch]):
-        step(*micro_batch)
-    profiler.end(1)
-    return str(Path(cfg.out_dir) / profiling.PROFILE / f"{profiler.name()}{profiling.TRACE}")
-
-
-def free(device):
-    """Between rows: the last row's model and its compiled code go (each row compiles afresh, as a new process
-    would: no row may run eager because the compiler's cache for a function is full)."""
-    torch._dynamo.reset()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 # ---- the corpus ----------------------------------------------------------------------------------
 
 def make_layouts(args, out: Path, device) -> dict:
@@ -307,12 +185,12 @@ def markdown(report: dict) -> list[str]:
         if "tokens_per_s" not in r:
             lines.append(f"| {name} | {r.get('error', 'not run')} | | | | | |")
             continue
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
         lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {r['positions_per_s']:,.0f} | {mfu} | "
                      f"{r['peak_gib']:.2f} | {r['loss']:.4f} | {ratio} |")
-    lines += ["", *ratios(report)]
-    lines += ["", "## One profiled step of the baseline: kernel time by kind", ""] + report.get("profile", ["not run"])
+    lines += ["", *ratios(report), "", "## One profiled step each: kernel time by kind", ""]
+    lines += profile_lines(report["profiles"]) if report.get("profiles") else ["not run"]
     lines += ["", "## The CUDA tests", "", f"`python -m pytest tests/test_cuda.py`: {report.get('cuda_tests', 'not run')}"]
     return lines
 
@@ -321,26 +199,37 @@ def ratios(report: dict) -> list[str]:
     """The figures the step is judged by, each beside its target, and the run's own drift."""
     speed = {name: r.get("tokens_per_s") for name, r in report["rows"].items()}
     base, lines = speed[BASELINE], []
-    if base and report["rows"][BASELINE]["mfu"] is not None:
+    if base and report["rows"][BASELINE].get("mfu") is not None:
         lines.append(f"- MFU of the baseline, on real tokens: {report['rows'][BASELINE]['mfu']:.1%} (the target: 45%)")
-    for name, what in (("packed, FSDP", "FSDP / DDP at world size 1 (the target: 0.95x)"),
+    for name, what in ((FSDP, "FSDP / DDP at world size 1 (the target: 0.95x)"),
                        (f"{BASELINE}, again (the machine's drift)", "the baseline again, at the end / at the start")):
         if base and speed[name]:
             lines.append(f"- {what}: {speed[name] / base:.2f}x")
     return lines
 
 
-def profile_lines(trace: str) -> list[str]:
-    """The traced step's kernel time by kind, the largest kernels of the rest, and trace_summary.py's lines."""
+def profile(trace: str) -> dict:
+    """A traced step's figures: its span, its kernels' time by kind, the rest's largest, trace_summary's lines."""
     from tools import trace_summary
     summary = trace_summary.summarize(trace)[-1]
-    step = summary["kinds"]
-    lines = [f"`profile/{Path(trace).name}`: {step['total_ms']:.1f} ms of kernels in a step of "
-             f"{trace_summary.kernel_time_by_kind(trace)[summary['step']]['ms']:.1f} ms.", "",
-             "| kind | ms a step | share |", "|---|---:|---:|"]
-    lines += [f"| {kind} | {ms:.1f} | {ms / (step['total_ms'] or 1):.1%} |" for kind, ms in step["kinds"].items()]
-    lines += ["", "The rest's largest: " + ", ".join(f"`{name[:80]}` {ms:.2f} ms" for name, ms in step["rest_top"][:5]),
-              "", "```", *trace_summary.describe(summary), "```"]
+    return {"trace": str(Path(trace).relative_to(Path(trace).parents[2])), "lines": trace_summary.describe(summary),
+            "step_ms": trace_summary.kernel_time_by_kind(trace)[summary["step"]]["ms"], **summary["kinds"]}
+
+
+def profile_lines(profiles: dict) -> list[str]:
+    """The profiled rows side by side: ms a step by kind, then each one's largest kernels of the rest and lines."""
+    done = {name: p for name, p in profiles.items() if "kinds" in p}
+    lines = [f"- {name}: {p['error']}" for name, p in profiles.items() if "error" in p]
+    if done:
+        kinds = next(iter(done.values()))["kinds"]
+        lines += ["| ms a step | " + " | ".join(done) + " |", "|---|" + "---:|" * len(done)]
+        lines += [f"| {kind} | " + " | ".join(f"{p['kinds'][kind]:.1f}" for p in done.values()) + " |" for kind in kinds]
+        lines += ["| all kernels | " + " | ".join(f"{p['total_ms']:.1f}" for p in done.values()) + " |",
+                  "| the step (on a GPU, its span on the GPU) | " + " | ".join(f"{p['step_ms']:.1f}" for p in done.values())
+                  + " |"]
+    for name, p in done.items():
+        largest = ", ".join(f"`{kernel[:80]}` {ms:.2f}" for kernel, ms in p["rest_top"][:5])
+        lines += ["", f"{name} (`{p['trace']}`), the rest's largest (ms): {largest}", "", "```", *p["lines"], "```"]
     return lines
 
 
@@ -356,7 +245,7 @@ def main(argv=None, leave_at_once=False):
     report = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "args": vars(args),
               "command": " ".join(["python", "benchmarks/gpu_report.py", *(sys.argv[1:] if argv is None else argv)]),
               "machine": machine(device), "dtype": str(dtype).removeprefix("torch."),
-              "peak_tflops": metrics.peak_tflops(device, dtype), "rows": {r["name"]: {} for r in rows()}}
+              "peak_tflops": metrics.peak_tflops(device, dtype), "rows": {r["name"]: {} for r in step_rows.rows()}}
     write_report(out, report)
     tests = start_cuda_tests(out, device.type == "cuda") if args.tests else None
     layouts = make_layouts(args, out, device)  # while the tests run: the CPU's work
@@ -376,21 +265,24 @@ def main(argv=None, leave_at_once=False):
         mesh = init_device_mesh(device.type, (1,))
     flops = build.model(cfg, layouts["vocab_size"], dtype, "meta").flops_per_token(args.seq_len)  # shapes only
     peak = report["peak_tflops"]
-    for spec in rows():
+    for spec in step_rows.rows():
         result = report["rows"][spec["name"]]
         if time.perf_counter() - started > args.time_limit:
             result["error"] = f"not run: the report's --time-limit of {args.time_limit} s was spent"
         else:
             try:
-                result.update(measure(spec, args, cfg, layouts, device, dtype, mesh, flops, peak))
+                result.update(step_rows.measure(spec, cfg, layouts[spec["layout"]], args.warmup, layouts["vocab_size"],
+                                                device, dtype, mesh))
+                result["mfu"] = result["tokens_per_s"] * flops / 1e12 / peak if peak else None
             except Exception as e:  # one row's failure (out of memory, a compile error) is its row's line
                 result["error"] = f"failed: {type(e).__name__}: {first_line(e)}"[:300]
-            free(device)
+            step_rows.free(device)
         if "trace" in result:
             try:
-                report["profile"] = profile_lines(result["trace"])
+                report.setdefault("profiles", {})[spec["name"]] = profile(result["trace"])
             except Exception as e:
-                report["profile"] = [f"failed: {type(e).__name__}: {first_line(e)}"[:300]]
+                report.setdefault("profiles", {})[spec["name"]] = {"error": f"failed: {type(e).__name__}: "
+                                                                   f"{first_line(e)}"[:300]}
         write_report(out, report)
         print(f"{spec['name']}: {result}", flush=True)
     report["seconds"] = time.perf_counter() - started

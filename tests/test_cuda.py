@@ -279,10 +279,10 @@ def loss_and_gradients(model, x, y) -> list[torch.Tensor]:
 
 
 def candidate_distances(config, device) -> dict:
-    """Each candidate of gpu_report.CANDIDATES, compiled in bf16 as train_ddp.py compiles (each layer and the
+    """Each candidate of step_rows.CANDIDATES, compiled in bf16 as train_ddp.py compiles (each layer and the
     LM head), its loss and every gradient against the fp32 model's (relative, the farthest tensor); and the
     baseline's, compiled the same way without it: bf16's own distance, the floor."""
-    from benchmarks.gpu_report import CANDIDATES
+    from benchmarks.step_rows import CANDIDATES
     torch.manual_seed(0)
     plain = LlamaForPretraining(config).to(device)
     plain.lm_head.chunk_tokens = 96  # a few chunks of the 4 x 64 tokens (the chunked loss)

@@ -4,7 +4,7 @@ import json
 
 from conftest import run_script
 
-from benchmarks import gpu_report
+from benchmarks import step_rows
 
 
 def test_the_report_runs_on_a_cpu_and_writes_every_row_a_gpu_run_writes(tmp_path):
@@ -14,11 +14,11 @@ def test_the_report_runs_on_a_cpu_and_writes_every_row_a_gpu_run_writes(tmp_path
     markdown = (out / "report.md").read_text()
 
     # the rows do not depend on the device: the CPU's are the GPU's, each measured (no row failed)
-    names = [row["name"] for row in gpu_report.rows()]
+    names = [row["name"] for row in step_rows.rows()]
     assert list(report["rows"]) == names and len(names) == len(set(names))
     assert {"packed, FSDP", "padded, DDP"} <= set(names)
-    assert all(any(name.startswith(f"packed, DDP + {c}:") for name in names) for c in gpu_report.CANDIDATES)
-    assert all(any(name.startswith(f"packed, FSDP + {c}:") for name in names) for c in gpu_report.FSDP_CANDIDATES)
+    assert all(any(name.startswith(f"packed, DDP + {c}:") for name in names) for c in step_rows.CANDIDATES)
+    assert all(any(name.startswith(f"packed, FSDP + {c}:") for name in names) for c in step_rows.FSDP_CANDIDATES)
     for name, row in report["rows"].items():
         assert "error" not in row, (name, row)
         assert row["tokens_per_s"] > 0 and row["positions_per_s"] >= row["tokens_per_s"] and row["peak_gib"] > 0
@@ -28,12 +28,15 @@ def test_the_report_runs_on_a_cpu_and_writes_every_row_a_gpu_run_writes(tmp_path
 
     # every row starts from the same initial weights and trains the same batches: the baseline, built and
     # trained again at the end, lands on its first loss bit for bit
-    baseline = report["rows"][gpu_report.BASELINE]
-    assert report["rows"][f"{gpu_report.BASELINE}, again (the machine's drift)"]["loss"] == baseline["loss"]
+    baseline = report["rows"][step_rows.BASELINE]
+    assert report["rows"][f"{step_rows.BASELINE}, again (the machine's drift)"]["loss"] == baseline["loss"]
     assert "- FSDP / DDP at world size 1 (the target: 0.95x): " in markdown
 
-    # the profiled step of the baseline, its time by kind, and the CUDA tests' line (all skipped here)
-    profile = markdown.split("## One profiled step")[1].split("## The CUDA tests")[0]
-    assert "| matmul |" in profile and "| optimizer |" in profile
-    assert (out / "profile" / "rank0.steps1-1.pt.trace.json").is_file()
+    # a profiled step of the baseline and of FSDP, their time by kind side by side, and the CUDA tests' line
+    profile = markdown.split("## One profiled step each")[1].split("## The CUDA tests")[0]
+    assert f"| ms a step | {step_rows.BASELINE} | {step_rows.FSDP} |" in profile
+    for name in (step_rows.BASELINE, step_rows.FSDP):
+        traced = report["profiles"][name]
+        assert traced["kinds"]["matmul"] > 0 and traced["kinds"]["optimizer"] > 0
+        assert (out / traced["trace"]).is_file()
     assert " skipped" in report["cuda_tests"] and "exit status 0" in report["cuda_tests"]
