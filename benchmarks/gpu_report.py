@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -125,13 +126,47 @@ def cuda_tests_result(tests: subprocess.Popen, out: Path, seconds: float) -> str
     try:
         tests.wait(timeout=max(60.0, seconds))
     except subprocess.TimeoutExpired:
-        tests.kill()
+        end_process_tree(tests.pid)  # not tests.kill(): its workers and their runs would go on using the GPU
         tests.wait()
         return f"stopped after {seconds:.0f} s (the report's time limit): see cuda_tests.log"
     lines = (out / "cuda_tests.log").read_text(errors="replace").strip().splitlines()
     summary = next((line.strip("= ") for line in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|error)", line)),
                    f"pytest ended with status {tests.returncode}")
     return f"{summary} (exit status {tests.returncode}; cuda_tests.log)"
+
+
+def end_process_tree(pid: int):
+    """pid and every process it started, and theirs, killed: each stopped first (SIGSTOP, until no new
+    one appears), so that none starts another meanwhile. Killing pid alone leaves pytest-xdist's workers
+    running for 15 s, and the torchrun launches of the tests for as long as they train: their workers
+    start sessions of their own (no process group holds them), and compute on the GPU under the rows."""
+    stopped = set()
+    while found := ({pid} | descendants(pid)) - stopped:
+        for each in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(each, signal.SIGSTOP)
+        stopped |= found
+    for each in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGKILL)
+
+
+def descendants(pid: int) -> set[int]:
+    """The processes pid started, and theirs, from Linux's /proc (none found elsewhere)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command's name: state, parent, ...
+        except OSError:  # it ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
 
 
 # ---- the corpus ----------------------------------------------------------------------------------

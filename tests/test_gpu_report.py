@@ -1,10 +1,14 @@
 """benchmarks/gpu_report.py, the one command a lent GPU runs, run here on a CPU: every row a GPU run writes."""
 
 import json
+import subprocess
+import sys
+import time
 
 from conftest import run_script
+from test_failures import running
 
-from benchmarks import step_rows
+from benchmarks import gpu_report, step_rows
 
 
 def test_the_report_runs_on_a_cpu_and_writes_every_row_a_gpu_run_writes(tmp_path):
@@ -40,3 +44,38 @@ def test_the_report_runs_on_a_cpu_and_writes_every_row_a_gpu_run_writes(tmp_path
         assert traced["kinds"]["matmul"] > 0 and traced["kinds"]["optimizer"] > 0
         assert (out / traced["trace"]).is_file()
     assert " skipped" in report["cuda_tests"] and "exit status 0" in report["cuda_tests"]
+
+
+LAUNCHES = """import subprocess, sys, time
+role = sys.argv[1] if len(sys.argv) > 1 else "pytest"
+if role == "pytest":  # starts a worker, as pytest-xdist does
+    subprocess.Popen([sys.executable, __file__, "agent"])
+elif role == "agent":  # starts its own in a session of its own, as torchrun starts a training process
+    subprocess.Popen([sys.executable, __file__, "worker"], start_new_session=True)
+time.sleep(120)
+"""
+
+
+def test_the_cuda_tests_stopped_at_their_time_limit_leave_no_process_of_theirs_running(tmp_path):
+    """gpu_report.end_process_tree, which stops tests/test_cuda.py at its time limit, ends every process the
+    tests started, those in sessions of their own too: none computes on the GPU while the rows are timed."""
+    script = tmp_path / "launches.py"
+    script.write_text(LAUNCHES)
+    tests = subprocess.Popen([sys.executable, str(script)])
+    try:
+        for _ in range(300):
+            started = gpu_report.descendants(tests.pid)
+            if len(started) == 2:
+                break
+            time.sleep(0.1)
+        assert len(started) == 2  # the agent and its worker
+        gpu_report.end_process_tree(tests.pid)
+        tests.wait(timeout=30)
+        for _ in range(100):  # the orphaned worker is ended by a signal, and reaped by whoever adopted it
+            if not any(running(pid) for pid in started):
+                break
+            time.sleep(0.1)
+        assert [pid for pid in started if running(pid)] == []
+    finally:
+        if tests.poll() is None:  # (not yet reaped: its pid is still its own)
+            gpu_report.end_process_tree(tests.pid)
