@@ -17,6 +17,7 @@ import torch
 
 from conftest import (FAST, FAST_WITH_TOKENIZER, REPO, ddp_two_ranks, launch_env, load_weights, max_weight_diff,
                       metrics, run_script, script_in_process, stopped_at_step_4, train, without_speed, write_corpus)
+from benchmarks.gpu_report import descendants
 from training import pt_checkpoint, stopping, weights
 from training.config import TrainConfig
 from training.errors import UsageError
@@ -137,22 +138,6 @@ def test_a_full_disk_is_one_line_leaves_no_temp_file_and_the_run_resumes(runs, t
     train("train_dp.py", train_args(runs, out, "--resume"))
     assert sorted(p.name for p in out.glob("*.tmp")) == ["notes.tmp"]
     assert max_weight_diff(load_weights(reference), load_weights(out)) == 0.0
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes pid started, and theirs, from /proc."""
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # it ended meanwhile
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        found += children.get(todo.pop(), [])
-        todo += children.get(found[-1], []) if found else []
-    return sorted(set(found))
 
 
 def running(pid: int) -> bool:
