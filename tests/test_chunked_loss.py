@@ -185,11 +185,13 @@ def test_compiled_with_compiled_loss_chunked_the_head_gives_the_plain_loss_and_g
 
 def test_compiled_loss_chooses_the_formulation_the_compiler_traces():
     """Dynamo's graph of the compiled head (fullgraph: no graph break; called twice: one graph,
-    no recompile) applies ChunkedCrossEntropy with compiled_loss = "chunked", and F.cross_entropy
+    no recompile) applies ChunkedCrossEntropy with compiled_loss = "chunked", its forward traced
+    in the pure form (loss_and_gradient: the in-place form leaves inductor two fp32 (n, V)
+    buffers, and its compiled chunks ran at 0.84x the plain loss on an H200), and F.cross_entropy
     over every logit with the default, "plain"."""
     g = torch.Generator().manual_seed(2)
     h, targets = torch.randn(500, C, generator=g, requires_grad=True), torch.randint(0, V, (500,), generator=g)
-    traced = {}
+    traced, graphs = {}, {}
     for setting in [None, "chunked"]:  # None: the default
         torch._dynamo.reset()
         head, backend = LlamaLMHead(C, V), EagerAndRecordGraphs()
@@ -198,12 +200,16 @@ def test_compiled_loss_chooses_the_formulation_the_compiler_traces():
         for _ in range(2):
             head(h, targets).backward()
         assert len(backend.graphs) == 1
+        graphs[head.compiled_loss] = backend.graphs[0]
         traced[head.compiled_loss] = [n for n in backend.graphs[0].graph.nodes if n.op == "call_function"]
     assert F.cross_entropy in [n.target for n in traced["plain"]]
     assert not any(n.target is torch.ops.higher_order.autograd_function_apply for n in traced["plain"])
     applied = [n for n in traced["chunked"] if n.target is torch.ops.higher_order.autograd_function_apply]
     assert len(applied) == 1 and "ChunkedCrossEntropy.apply" in applied[0].meta["stack_trace"]
     assert F.cross_entropy not in [n.target for n in traced["chunked"]]
+    forward = getattr(graphs["chunked"], applied[0].args[0].target)  # the Function's forward, as traced
+    methods = {n.target for n in forward.graph.nodes if n.op == "call_method"}
+    assert "logsumexp" in methods and not methods & {"exp_", "div_", "masked_fill_"}
 
 
 def test_only_one_chunk_of_logits_is_ever_alive_in_forward_or_backward():
