@@ -5,10 +5,13 @@ import subprocess
 import sys
 import time
 
+import torch
+
 from conftest import run_script
 from test_failures import running
 
 from benchmarks import gpu_report, step_rows
+from training import config
 
 
 def test_the_report_runs_on_a_cpu_and_writes_every_row_a_gpu_run_writes(tmp_path):
@@ -44,6 +47,23 @@ def test_the_report_runs_on_a_cpu_and_writes_every_row_a_gpu_run_writes(tmp_path
         assert traced["kinds"]["matmul"] > 0 and traced["kinds"]["optimizer"] > 0
         assert (out / traced["trace"]).is_file()
     assert " skipped" in report["cuda_tests"] and "exit status 0" in report["cuda_tests"]
+
+
+
+def test_each_row_builds_the_model_with_its_candidates_on_and_no_other():
+    """A row named after a candidate times the candidate: a switch that did nothing would time the
+    baseline under its name (a GPU run wasted, and a wrong winner). Each row's model, as build_row
+    makes it (in one process: the switches are the same under every wrapper), and how each switch shows."""
+    turned_on = {"fused-projections": lambda m: all(layer.self_attn.fused and layer.mlp.fused
+                                                    for layer in m.base_model.layers),
+                 "chunked-loss": lambda m: m.lm_head.compiled_loss == "chunked"}
+    assert turned_on.keys() == step_rows.CANDIDATES.keys()  # a new candidate: say here how its switch shows
+    cfg = config.parse_args(["--model", "debug"])
+    for spec in step_rows.rows():
+        if spec["wrap"] != "FSDP":  # (FSDP's candidates are train_fsdp.shard's options: tests/test_fsdp.py)
+            model = step_rows.build_row({**spec, "wrap": "one process"}, cfg, 300, torch.device("cpu"),
+                                        torch.float32, None)[0]
+            assert {name for name, is_on in turned_on.items() if is_on(model)} == set(spec["candidates"]), spec
 
 
 LAUNCHES = """import subprocess, sys, time
