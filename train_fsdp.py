@@ -32,16 +32,13 @@ def shard(model, mesh, dtype: torch.dtype, layers_kept_gathered: int = 0):
     (gathered again for backward), the embedding, the final norm with the LM head (kept into
     backward, which starts with them: bench_grouping.py). MixedPrecisionPolicy replaces
     autocast: gathered in `dtype` to compute, gradients reduced in fp32 into fp32 shards.
-    layers_kept_gathered (a candidate, 0 until a GPU has measured it): the last N layers kept
-    gathered too, from forward into backward. 1, as torchtitan keeps the last: its backward
-    runs right after the head's, so resharding it after forward only gathers it again. All of
-    them: no gather in backward at all (ZeRO-2's trade), the whole model's weights in `dtype`
-    held through the step. The price, those layers' gathered weights held through the loss."""
+    layers_kept_gathered (a candidate, 0 until a GPU measured it): the last N layers stay gathered
+    from forward into backward, 1 as torchtitan keeps the last (backward runs it next), all of
+    them ZeRO-2's trade (no gather in backward); the price, their gathered weights held meanwhile."""
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     layers = model.base_model.layers
     for i, layer in enumerate(layers):
-        kept = i >= len(layers) - layers_kept_gathered
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=not kept)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - layers_kept_gathered)
     fully_shard(model.base_model.embed_tokens, mesh=mesh, mp_policy=policy)
     fully_shard([model.base_model.norm, model.lm_head], mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     return fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: starts each forward's gathers
