@@ -1,0 +1,1 @@
+"""--stream: corpora of shards larger than a node, read, tokenized and packed on the fly."""
