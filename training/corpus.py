@@ -84,11 +84,8 @@ def _local_files(path: Path) -> list[Path]:
             raise UsageError(f"unsupported dataset file {path}: expected {KNOWN_FILES}")
         files = [path]
     else:
-        files, skipped = _walk(path)
-        if skipped:
-            shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
-            warn(f"--dataset {path}: skipping {len(skipped)} {'entry' if len(skipped) == 1 else 'entries'}: {shown} "
-                 f"(data files end in {KNOWN_FILES})")
+        files, skipped = walk(path, lambda f: file_builder(f) is not None and f.is_file())
+        warn_skipped(path, skipped, KNOWN_FILES)
         if not files:
             raise UsageError(f"folder {path} holds no {KNOWN_FILES} files")
     for f in files:
@@ -99,8 +96,17 @@ def _local_files(path: Path) -> list[Path]:
     return files
 
 
-def _walk(root: Path) -> tuple[list[Path], list[str]]:
-    """Data files under root, sorted (the same order on every rank), each real file once;
+def warn_skipped(path: Path, skipped: list[str], known: str):
+    """One warning that names what the walk of --dataset's folder left out (the first five)."""
+    if skipped:
+        shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+        warn(f"--dataset {path}: skipping {len(skipped)} {'entry' if len(skipped) == 1 else 'entries'}: {shown} "
+             f"(data files end in {known})")
+
+
+def walk(root: Path, wanted) -> tuple[list[Path], list[str]]:
+    """The files under root for which wanted(path) is true, at any depth, symlinked folders
+    followed and hidden ones not, sorted (the same order on every rank), each real file once;
     and what was left out, with the reason for the less obvious cases."""
     files, skipped, seen_dirs, seen_files = [], [], set(), {}
     for folder, subfolders, names in os.walk(root, followlinks=True):
@@ -116,7 +122,7 @@ def _walk(root: Path) -> tuple[list[Path], list[str]]:
         for name in sorted(names):
             f = Path(folder, name)
             rel = str(f.relative_to(root))
-            if file_builder(f) is None or not f.is_file():
+            if not wanted(f):
                 skipped.append(rel)
             elif (real_file := os.path.realpath(f)) in seen_files:
                 skipped.append(f"{rel} (same file as {seen_files[real_file]})")
@@ -200,17 +206,23 @@ def load_corpus(dataset: str, dataset_config: str | None = None, split: str | No
 
 
 def _not_utf8(ds: datasets.Dataset) -> str:
-    """Which document is not UTF-8 (read again on this path only): pyarrow's full validation
-    names its index."""
+    """Which document is not UTF-8 (read again on this path only)."""
+    found = first_not_utf8(ds.with_format("arrow")[:]["text"])
+    return "a document" if found is None else f"document {found + 1:,}"
+
+
+def first_not_utf8(column: pyarrow.ChunkedArray) -> int | None:
+    """The index of the first string in column that is not UTF-8, or None if none is found:
+    pyarrow's full validation names it."""
     before = 0
-    for chunk in ds.with_format("arrow")[:]["text"].chunks:
+    for chunk in column.chunks:
         try:
             chunk.validate(full=True)
         except pyarrow.ArrowInvalid as e:
             found = re.search(r"index (\d+)", str(e))
-            return f"document {before + int(found.group(1)) + 1:,}" if found else "a document"
+            return before + int(found.group(1)) if found else None
         before += len(chunk)
-    return "a document"
+    return None
 
 
 def _load_files(builder: str, data_files: list[str], dataset: str) -> datasets.Dataset:
@@ -251,12 +263,22 @@ def _bad_json_line(path: str) -> str | None:
             if not line.strip():
                 continue
             try:
-                document = json.loads(line.rstrip(b"\r\n").decode(errors="replace"))  # its syntax, as pyarrow reads it
-            except json.JSONDecodeError as e:
-                return f"JSON parse error on line {number}: {e.msg.removesuffix(' at')} at column {e.colno}"
-            if not isinstance(document, dict):
-                return f"JSON parse error on line {number}: a {type(document).__name__}, where each line is an object"
+                json_object(line.rstrip(b"\r\n").decode(errors="replace"))  # its syntax, as pyarrow reads it
+            except ValueError as e:
+                return f"JSON parse error on line {number}: {e}"
     return None
+
+
+def json_object(line: str) -> dict:
+    """A line of a JSON Lines file as the object each line must be, or a ValueError that says
+    why it is not (the column where its syntax fails)."""
+    try:
+        document = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{e.msg.removesuffix(' at')} at column {e.colno}") from None
+    if not isinstance(document, dict):
+        raise ValueError(f"a {type(document).__name__}, where each line is an object")
+    return document
 
 
 def _text_column(ds: datasets.Dataset, column: str, name: str) -> datasets.Dataset:
