@@ -1,1 +1,1 @@
-"""--stream: corpora of shards read, tokenized and packed on the fly, resumed exactly at any world size (issue 60, in progress)."""
+"""--stream: a corpus of shards read, tokenized and packed as the run goes, resumed exactly at any world size."""
