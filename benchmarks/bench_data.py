@@ -42,14 +42,10 @@ FINEWEB_COLUMNS = ("text", "id", "dump", "url", "date", "file_path", "language",
 
 
 def parse_args(argv=None):
-    from training.errors import ArgumentParser, at_least, path_argument
+    from training.errors import ArgumentParser, at_least
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=path_argument, help="a parquet file with a `text` column (default: generate one)")
-    p.add_argument("--mb", type=at_least(1), default=200, help="MB of text to generate")
-    p.add_argument("--data-dir", type=path_argument, default=os.path.join(tempfile.gettempdir(), "bench_data"),
-                   help="where the generated corpus is kept between runs")
+    add_corpus_arguments(p, megabytes=200)
     p.add_argument("--seq-len", type=at_least(1), default=512, help="tokens per sequence (the article preset's)")
-    p.add_argument("--vocab-size", type=at_least(MIN_VOCAB), default=50000, help="BPE size (the article preset's)")
     p.add_argument("--batch-size", type=at_least(1), default=64, help="rows a batch for the loader (the article preset's)")
     p.add_argument("--launch", action="store_true", help="also time train_dp.py from launch to its first step")
     args = p.parse_args(argv)
@@ -58,6 +54,17 @@ def parse_args(argv=None):
 
 
 MIN_VOCAB = 256 + 3  # every byte, and the special tokens (the trainers' own bound)
+
+
+def add_corpus_arguments(p, megabytes: int):
+    """The flags of every benchmark that reads this corpus (or --data) and its BPE; check_data
+    checks them."""
+    from training.errors import at_least, path_argument
+    p.add_argument("--data", type=path_argument, help="a parquet file with a `text` column (default: generate one)")
+    p.add_argument("--mb", type=at_least(1), default=megabytes, help="MB of text to generate")
+    p.add_argument("--data-dir", type=path_argument, default=os.path.join(tempfile.gettempdir(), "bench_data"),
+                   help="where the generated corpus is kept between runs")
+    p.add_argument("--vocab-size", type=at_least(MIN_VOCAB), default=50000, help="BPE size (the article preset's)")
 
 
 def corpus_path(args) -> Path:

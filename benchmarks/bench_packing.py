@@ -20,7 +20,6 @@ the same windows: padded (one window a row, the default) and packed (--pack):
 import argparse
 import os
 import statistics
-import tempfile
 import time
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ def parse_args(argv=None):
     import torch
     from benchmarks import bench, bench_data
     from model import PRESETS
-    from training.errors import ArgumentParser, at_least, path_argument
+    from training.errors import ArgumentParser, at_least
     cuda = torch.cuda.is_available()
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lens", type=at_least(1), nargs="+", default=[512, 1024])
@@ -40,12 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=at_least(1), default=64 if cuda else 8, help="rows a step, in both layouts")
     p.add_argument("--steps", type=at_least(1), default=10 if cuda else 4, help="timed steps a round")
     p.add_argument("--rounds", type=at_least(1), default=5 if cuda else 3, help="turns each layout takes")
-    p.add_argument("--mb", type=at_least(1), default=200, help="MB of text to generate")
-    p.add_argument("--data", type=path_argument, help="a parquet file with a `text` column (default: generate one)")
-    p.add_argument("--data-dir", type=path_argument, default=os.path.join(tempfile.gettempdir(), "bench_data"),
-                   help="where the generated corpus is kept between runs (bench_data.py's)")
-    p.add_argument("--vocab-size", type=at_least(bench_data.MIN_VOCAB), default=50000,
-                   help="BPE size (the article preset's)")
+    bench_data.add_corpus_arguments(p, megabytes=200)
     args = p.parse_args(argv)
     for seq_len in args.seq_lens:  # before the corpus and its BPE are made: a minute
         bench.check_shape(args.model, seq_len, args.batch_size, 1)

@@ -288,6 +288,8 @@ BAD_BENCH_FLAGS = [
     ("bench_packing.py", ["--seq-lens", "4096"], "--seq-len 4096 exceeds the tiny model's 1024 positions"),
     ("bench_packing.py", ["--data", "{tmp}/none.parquet"], "--data {tmp}/none.parquet: no such file"),
     ("bench_packing.py", ["--vocab-size", "100"], "argument --vocab-size: must be at least 259, got 100"),
+    ("bench_stream.py", ["--open-rows", "8", "0"], "argument --open-rows: must be at least 1, got 0"),
+    ("bench_stream.py", ["--data", "{tmp}/none.parquet"], "--data {tmp}/none.parquet: no such file"),
     ("bench_data.py", ["--mb", "0"], "argument --mb: must be at least 1, got 0"),
     ("bench_data.py", ["--batch-size", "x"], "argument --batch-size: must be a whole number, got 'x'"),
     ("bench.py", ["--steps", "0"], "argument --steps: must be at least 1, got 0"),
@@ -323,8 +325,8 @@ BAD_BENCH_FLAGS = [
                          ids=[f"{b}:{' '.join(f)}" for b, f, _ in BAD_BENCH_FLAGS])
 def test_every_benchmark_refuses_bad_flags_in_one_line_before_its_first_step(tmp_path, capsys, bench, flags, message):
     flags = [flag.replace("{tmp}", str(tmp_path)) for flag in flags]
-    data_dir = tmp_path / "data"  # where bench_data.py and bench_packing.py would write a corpus first
-    extra = ["--data-dir", str(data_dir)] if bench in ("bench_data.py", "bench_packing.py") else []
+    data_dir = tmp_path / "data"  # where the corpus benchmarks would write a corpus first
+    extra = ["--data-dir", str(data_dir)] if bench in ("bench_data.py", "bench_packing.py", "bench_stream.py") else []
     assert script_in_process(f"benchmarks/{bench}", [*flags, *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {message.replace('{tmp}', str(tmp_path))}"), err
@@ -474,7 +476,7 @@ def torn_parquet(path: Path, cut: bool) -> Path:
     return path
 
 
-@pytest.mark.parametrize("bench", ["bench_data.py", "bench_packing.py"])
+@pytest.mark.parametrize("bench", ["bench_data.py", "bench_packing.py", "bench_stream.py"])
 @pytest.mark.parametrize("kind", ["text file", "cut short", "pages overwritten"])
 def test_bench_data_and_packing_refuse_a_corpus_that_is_no_whole_parquet_in_one_line(tmp_path, capsys, bench, kind):
     """--data corpus.txt, or a parquet cut short, was an Arrow traceback: one line before the

@@ -118,6 +118,38 @@ def best_fit_decreasing(sizes: np.ndarray, capacity: int, seed: int) -> tuple[np
 PACKING_CODE = caches.code_hash(_pack, best_fit_decreasing)
 
 
+def packed_rows(starts: np.ndarray, tokens: np.ndarray, per_row: np.ndarray, seq_len: int, pad_id: int,
+                bounds: int) -> list[tuple[torch.Tensor, ...]]:
+    """Rows of windows as PackedSequenceDataset's items, (x, y, position_ids, cu_seqlens) a row:
+    the windows' tokens one after another (`tokens`, window i from starts[i] to starts[i + 1]),
+    the first per_row[0] windows in the first row, and so on; cu_seqlens `bounds` long. The
+    offline packing (PackedSequenceDataset) and the online one (training/stream/packer.py) make
+    their rows here, so that the same windows make the same tensors. The caller has checked the
+    rows: each fills at most seq_len positions with at most bounds - 2 windows."""
+    tokens = tokens.astype(np.int64)
+    fills = np.diff(starts) - 1  # positions each window fills: its targets
+    used = np.add.reduceat(fills, np.cumsum(per_row) - per_row)  # positions each row's windows fill
+    # For every input position of the rows, in window order: its position in its window,
+    # where its token lies in `tokens`, and where it goes in the (rows, seq_len) batch.
+    before = np.repeat(np.cumsum(fills) - fills, fills)  # positions of the windows before its own
+    within = np.arange(fills.sum()) - before
+    source = np.repeat(starts[:-1], fills) + within
+    row_start = np.repeat(np.arange(len(per_row)) * seq_len - (np.cumsum(used) - used), used)
+    target = row_start + np.arange(fills.sum())
+    x = np.full((len(per_row), seq_len), pad_id, dtype=np.int64)
+    y = np.full((len(per_row), seq_len), IGNORE_INDEX, dtype=np.int64)
+    position_ids = np.maximum(np.arange(seq_len) - used[:, None], 0)  # after the windows: 0, 1, 2, ...
+    x.flat[target], y.flat[target], position_ids.flat[target] = tokens[source], tokens[source + 1], within
+    # each row's bounds: 0, where each of its windows ends, then seq_len (the padding's end) repeated
+    cu_seqlens = np.full((len(per_row), bounds), seq_len, dtype=np.int32)
+    cu_seqlens[:, 0] = 0
+    first = np.cumsum(per_row) - per_row  # each row's first window, in window order
+    column = np.arange(len(fills)) - np.repeat(first, per_row) + 1
+    cu_seqlens[np.repeat(np.arange(len(per_row)), per_row), column] = (
+        np.cumsum(fills) - np.repeat(np.cumsum(used) - used, per_row))
+    return list(zip(*(torch.from_numpy(a) for a in (x, y, position_ids, cu_seqlens))))
+
+
 @dataclass
 class PackedSequenceDataset(PaddedSequenceDataset):
     """--pack: the windows of PaddedSequenceDataset, placed several to a row by `pack`, so
@@ -171,31 +203,11 @@ class PackedSequenceDataset(PaddedSequenceDataset):
         if len(placed) and placed.max() >= len(self.rows):
             raise self.packing_read_back.damaged(f"a row places window {placed.max():,} of {len(self.rows):,}")
         starts, tokens = self.read_windows(placed.tolist())  # the batch's windows, one after another
-        tokens = tokens.astype(np.int64)
-        fills = np.diff(starts) - 1  # positions each window fills: its targets
-        used = np.add.reduceat(fills, np.cumsum(per_row) - per_row)  # positions each row's windows fill
+        used = np.add.reduceat(np.diff(starts) - 1, np.cumsum(per_row) - per_row)  # positions each row fills
         if (used > self.seq_len).any():
             raise self.packing_read_back.damaged(f"a row of {used.max()} positions, more than --seq-len "
                                                  f"{self.seq_len}")
-        # For every input position of the batch, in window order: its position in its window,
-        # where its token lies in `tokens`, and where it goes in the (rows, seq_len) batch.
-        before = np.repeat(np.cumsum(fills) - fills, fills)  # positions of the windows before its own
-        within = np.arange(fills.sum()) - before
-        source = np.repeat(starts[:-1], fills) + within
-        row_start = np.repeat(np.arange(len(indices)) * self.seq_len - (np.cumsum(used) - used), used)
-        target = row_start + np.arange(fills.sum())
-        x = np.full((len(indices), self.seq_len), self.pad_id, dtype=np.int64)
-        y = np.full((len(indices), self.seq_len), IGNORE_INDEX, dtype=np.int64)
-        position_ids = np.maximum(np.arange(self.seq_len) - used[:, None], 0)  # after the windows: 0, 1, 2, ...
-        x.flat[target], y.flat[target], position_ids.flat[target] = tokens[source], tokens[source + 1], within
-        # each row's bounds: 0, where each of its windows ends, then seq_len (the padding's end) repeated
-        cu_seqlens = np.full((len(indices), self.max_windows + 1), self.seq_len, dtype=np.int32)
-        cu_seqlens[:, 0] = 0
-        first = np.cumsum(per_row) - per_row  # each row's first window, in window order
-        column = np.arange(len(fills)) - np.repeat(first, per_row) + 1
-        cu_seqlens[np.repeat(np.arange(len(indices)), per_row), column] = (
-            np.cumsum(fills) - np.repeat(np.cumsum(used) - used, per_row))
-        return list(zip(*(torch.from_numpy(a) for a in (x, y, position_ids, cu_seqlens))))
+        return packed_rows(starts, tokens, per_row, self.seq_len, self.pad_id, self.max_windows + 1)
 
     def padding_row(self):
         bounds = torch.full((self.max_windows + 1,), self.seq_len, dtype=torch.int32)

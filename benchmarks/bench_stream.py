@@ -1,0 +1,131 @@
+"""Measure --stream's pieces on a FineWeb-shaped corpus. First, the online packer.
+
+    python bench_stream.py                                   # a generated 100 MB corpus, --seq-lens 512 1024 2048
+    python bench_stream.py --open-rows 32 128 --mb 200
+
+The corpus is bench_data.py's (generated once, FineWeb's shape: log-normal document lengths,
+median about 1,800 characters) with its 50,000-token BPE. Its documents, in the file's order,
+are tokenized and cut into windows as data.py cuts them (data.tokenize); then, for each
+--seq-len, the same windows are placed in rows of that many positions:
+  offline       packing.best_fit_decreasing over every window's size at once: --pack today
+  online N      training/stream/packer.py's OnlinePacker with N rows open (--open-rows), the
+                windows one at a time in the corpus's order, as a stream brings them
+  padding       the share of the rows' positions that hold no token: of the rows closed while
+                the stream ran ("in stream"), and of all rows, those flushed at its end
+                included ("with flush"). The flush is N rows at most, whatever the stream's
+                length: on a long stream the padding tends to the first
+  vs offline    in stream less offline, in points (the issue's goal: within 1)
+  most windows  the most windows a row holds (the cu_seqlens bound: packer.window_bound)
+  windows/s     OnlinePacker.add over every window, then its flush, in one process (the
+                median of 3)
+"""
+
+import argparse
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
+
+
+def parse_args(argv=None):
+    from benchmarks import bench_data
+    from training.errors import ArgumentParser, at_least
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", type=at_least(1), nargs="+", default=[512, 1024, 2048])
+    p.add_argument("--open-rows", type=at_least(1), nargs="+", default=[8, 32, 128, 512],
+                   help="rows the online packer holds open, one table row each")
+    bench_data.add_corpus_arguments(p, megabytes=100)
+    args = p.parse_args(argv)
+    bench_data.check_data(args)
+    return args
+
+
+def stream_windows(texts: list[str], tokenizer, seq_len: int) -> list:
+    """The documents' windows in their order, each an array of token ids, cut by data.tokenize
+    (on a `datasets` cache of its own, removed after)."""
+    import datasets
+    import numpy as np
+    from benchmarks import bench_data
+    import data
+    cache = bench_data.fresh_cache()
+    try:
+        windows = data.tokenize(datasets.Dataset.from_dict({"text": texts}), tokenizer, seq_len)
+        column = windows.with_format("arrow")[:]["input_ids"].combine_chunks()
+        return np.split(column.flatten().to_numpy(), column.offsets.to_numpy()[1:-1])
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def online(windows: list, seq_len: int, open_rows: int, repeats: int = 3) -> dict:
+    """The windows through an OnlinePacker, one at a time: its rows' padding, in stream and with
+    the flush, the most windows a row holds (and the most it may), and windows a second (the
+    median of `repeats` packings: each makes the same rows)."""
+    from training.stream.packer import OnlinePacker
+    seconds = []
+    for _ in range(repeats):
+        packer, closed = OnlinePacker(seq_len, open_rows), []
+        start = time.perf_counter()
+        for window in windows:
+            closed += packer.add(window)
+        flushed = packer.flush()
+        seconds.append(time.perf_counter() - start)
+    return {"rows": len(closed) + len(flushed), "padding": padding(closed + flushed, seq_len),
+            "in_stream": padding(closed, seq_len), "flushed": len(flushed),
+            "most_windows": max(map(len, closed + flushed)), "bound": packer.max_windows - 1,
+            "windows_per_s": len(windows) / statistics.median(seconds)}
+
+
+def padding(rows: list, seq_len: int) -> float:
+    """The share of the rows' positions that hold no token (a window of n tokens fills n - 1)."""
+    filled = sum(len(window) - 1 for row in rows for window in row)
+    return 1 - filled / (len(rows) * seq_len) if rows else 0.0
+
+
+def offline(windows: list, seq_len: int) -> dict:
+    """The windows packed as --pack packs them, all sizes seen first: its rows' padding."""
+    import numpy as np
+    from training import packing
+    sizes = np.array([len(window) - 1 for window in windows])
+    _, per_row = packing.best_fit_decreasing(sizes, seq_len, seed=0)
+    return {"rows": len(per_row), "padding": 1 - sizes.sum() / (len(per_row) * seq_len),
+            "most_windows": int(per_row.max())}
+
+
+def main(argv=None) -> dict:
+    """Prints the tables; returns {seq_len: {"offline": ..., open_rows: ...}}."""
+    args = parse_args(argv)
+    import datasets
+    from benchmarks import bench_data
+    import data
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+
+    path = bench_data.prepared_corpus(args)
+    texts = bench_data.read_texts(path)
+    tokenizer = data.load_tokenizer(bench_data.bpe(path, args.vocab_size, texts))
+    print(f"{path.name}: {len(texts):,} documents, {sum(len(t.encode()) for t in texts) / 1e6:.0f} MB of text | "
+          f"BPE of {tokenizer.get_vocab_size():,} tokens", flush=True)
+    results = {}
+    for seq_len in args.seq_lens:
+        windows = stream_windows(texts, tokenizer, seq_len)
+        best = offline(windows, seq_len)
+        results[seq_len] = {"offline": best}
+        print(f"\n--seq-len {seq_len}: {len(windows):,} windows, {sum(map(len, windows)) - len(windows):,} tokens")
+        print(f"  {'packing':<14}{'rows':>10}{'in stream':>11}{'with flush':>12}{'vs offline':>12}"
+              f"{'most windows':>14}{'windows/s':>12}")
+        print(f"  {'offline':<14}{best['rows']:10,}{best['padding']:11.2%}{best['padding']:12.2%}{'':>12}"
+              f"{best['most_windows']:14,}")
+        for open_rows in args.open_rows:
+            row = results[seq_len][open_rows] = online(windows, seq_len, open_rows)
+            print(f"  {f'online {open_rows}':<14}{row['rows']:10,}{row['in_stream']:11.2%}{row['padding']:12.2%}"
+                  f"{(row['in_stream'] - best['padding']) * 100:+12.2f}{row['most_windows']:8,} of {row['bound']:<3,}"
+                  f"{row['windows_per_s']:12,.0f}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    from training import stopping
+    stopping.exit_on_usage_error(main)  # bad flags: one line, exit status 2
