@@ -56,8 +56,10 @@ def framing(pack: bool) -> str:
 # Tokenizer
 
 
-def train_tokenizer(texts: datasets.Dataset, vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE (every string is encodable, no unknown token) on `texts`."""
+def train_tokenizer(texts: datasets.Dataset | datasets.IterableDataset, vocab_size: int,
+                    chars: int = TOKENIZER_TRAIN_CHARS) -> Tokenizer:
+    """Train a byte-level BPE (every string is encodable, no unknown token) on `texts`: their
+    first batches of 1000 until `chars` characters are read (an IterableDataset is read no further)."""
     tokenizer = Tokenizer(models.BPE())
     pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # (not tokenizer's: it is busy training)
     tokenizer.pre_tokenizer = pre_tokenizer
@@ -71,7 +73,7 @@ def train_tokenizer(texts: datasets.Dataset, vocab_size: int) -> Tokenizer:
         for batch in texts.iter(batch_size=1000):
             yield [piece for text in batch["text"] for piece in pieces(text, PIECE_CHARS, pre_tokenizer)]
             seen += sum(map(len, batch["text"]))
-            if seen >= TOKENIZER_TRAIN_CHARS:
+            if seen >= chars:
                 return
 
     tokenizer.train_from_iterator(batches(), trainer)

@@ -1,7 +1,8 @@
-"""Measure --stream's pieces on a FineWeb-shaped corpus. First, the online packer.
+"""Measure --stream's pieces on a FineWeb-shaped corpus: the online packer, and the BPE.
 
     python bench_stream.py                                   # a generated 100 MB corpus, --seq-lens 512 1024 2048
     python bench_stream.py --open-rows 32 128 --mb 200
+    python bench_stream.py --sections bpe                    # the BPE alone
 
 The corpus is bench_data.py's (generated once, FineWeb's shape: log-normal document lengths,
 median about 1,800 characters) with its 50,000-token BPE. Its documents, in the file's order,
@@ -18,6 +19,14 @@ are tokenized and cut into windows as data.py cuts them (data.tokenize); then, f
   most windows  the most windows a row holds (the cu_seqlens bound: packer.window_bound)
   windows/s     OnlinePacker.add over every window, then its flush, in one process (the
                 median of 3)
+
+The BPE of a run without --tokenizer (--vocab-size tokens, data.TOKENIZER_TRAIN_CHARS at most),
+each way in a fresh process, from the corpus's file to the trained tokenizer:
+  map-style     run_data.load_text (load_corpus on a fresh `datasets` cache, the seeded split)
+                and run_data.get_tokenizer: what the scripts run today
+  stream        find_shards, holdout.validation_documents (--val-docs' default) and
+                holdout.train_stream_tokenizer: the training documents in shard order, read lazily
+  peak RSS      the process's most resident memory (imports included)
 """
 
 import argparse
@@ -37,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--seq-lens", type=at_least(1), nargs="+", default=[512, 1024, 2048])
     p.add_argument("--open-rows", type=at_least(1), nargs="+", default=[8, 32, 128, 512],
                    help="rows the online packer holds open, one table row each")
+    p.add_argument("--sections", nargs="+", choices=["packer", "bpe"], default=["packer", "bpe"])
     bench_data.add_corpus_arguments(p, megabytes=100)
     args = p.parse_args(argv)
     bench_data.check_data(args)
@@ -94,8 +104,63 @@ def offline(windows: list, seq_len: int) -> dict:
             "most_windows": int(per_row.max())}
 
 
+def map_style_bpe(path: str, vocab_size: int) -> dict:
+    """The BPE as the scripts train it today, from the file on."""
+    from benchmarks import bench_data
+    from training import config, run_data
+    cache, start = bench_data.fresh_cache(), time.perf_counter()
+    try:
+        cfg = config.parse_args(["--dataset", path, "--vocab-size", str(vocab_size)])
+        train_text, val_text, _ = run_data.load_text(cfg)
+        loaded = time.perf_counter()
+        tokenizer = run_data.get_tokenizer(cfg, train_text, resuming=False)
+        return {"held_out": len(val_text), "read_s": loaded - start, "bpe_s": time.perf_counter() - loaded,
+                "tokenizer": tokenizer.to_str()}
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def stream_bpe(path: str, vocab_size: int) -> dict:
+    """The BPE as --stream trains it, from the file on."""
+    from training.stream import holdout, shards
+    start = time.perf_counter()
+    found = shards.find_shards(path, "text")
+    held, held_out = holdout.validation_documents(path, found, "text")
+    read = time.perf_counter()
+    tokenizer = holdout.train_stream_tokenizer(path, found, "text", vocab_size, held_out)
+    return {"held_out": len(held), "read_s": read - start, "bpe_s": time.perf_counter() - read,
+            "tokenizer": tokenizer.to_str()}
+
+
+def in_fresh_process(fn, *args) -> dict:
+    """fn(*args) in a process of its own (spawned: no memory of this one's), with its peak RSS."""
+    import concurrent.futures
+    import multiprocessing
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_measured, fn, *args).result()
+
+
+def _measured(fn, *args) -> dict:
+    import resource
+    import datasets
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    return {**fn(*args), "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def bpe_table(path: Path, vocab_size: int) -> dict:
+    print(f"\nThe BPE of {vocab_size:,} tokens, trained from the file (a fresh process each)")
+    print(f"  {'path':<12}{'held out':>10}{'read':>9}{'BPE':>9}{'total':>9}{'peak RSS':>11}")
+    results = {}
+    for name, fn in (("map-style", map_style_bpe), ("stream", stream_bpe)):
+        row = results[name] = in_fresh_process(fn, str(path), vocab_size)
+        print(f"  {name:<12}{row['held_out']:10,}{row['read_s']:8.1f}s{row['bpe_s']:8.1f}s"
+              f"{row['read_s'] + row['bpe_s']:8.1f}s{row['peak_mb']:8,.0f} MB", flush=True)
+    return results
+
+
 def main(argv=None) -> dict:
-    """Prints the tables; returns {seq_len: {"offline": ..., open_rows: ...}}."""
+    """Prints the tables; returns {seq_len: {"offline": ..., open_rows: ...}, "bpe": {...}}."""
     args = parse_args(argv)
     import datasets
     from benchmarks import bench_data
@@ -104,11 +169,15 @@ def main(argv=None) -> dict:
     datasets.disable_progress_bars()
 
     path = bench_data.prepared_corpus(args)
+    results = {}
+    if "bpe" in args.sections:
+        results["bpe"] = bpe_table(path, args.vocab_size)
+    if "packer" not in args.sections:
+        return results
     texts = bench_data.read_texts(path)
     tokenizer = data.load_tokenizer(bench_data.bpe(path, args.vocab_size, texts))
     print(f"{path.name}: {len(texts):,} documents, {sum(len(t.encode()) for t in texts) / 1e6:.0f} MB of text | "
           f"BPE of {tokenizer.get_vocab_size():,} tokens", flush=True)
-    results = {}
     for seq_len in args.seq_lens:
         windows = stream_windows(texts, tokenizer, seq_len)
         best = offline(windows, seq_len)

@@ -18,7 +18,7 @@ import io
 import json
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow
@@ -149,6 +149,19 @@ def _check_text_column(schema: pyarrow.Schema, path: Path, column: str):
     if not (pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind)
             or pyarrow.types.is_string_view(kind)):
         raise UsageError(f"column {column!r} of shard {path} holds {kind}, not text")
+
+
+def corpus_pieces(found: list[Shard]) -> list[tuple[Shard, int]]:
+    """The corpus's pieces in shard order, each as (its shard, its index there): piece i of the
+    corpus, as order.py and a run's positions number pieces, is corpus_pieces(found)[i]."""
+    return [(shard, piece) for shard in found for piece in range(len(shard.pieces))]
+
+
+def reader(source: str, found: list[Shard], text_column: str) -> Callable[[int, int], Iterator[tuple[int, str]]]:
+    """read(piece, start_row) for order.documents: read_documents of the corpus's piece `piece`
+    (numbered as corpus_pieces numbers them)."""
+    listed = corpus_pieces(found)
+    return lambda piece, start_row: read_documents(source, *listed[piece], start_row, text_column)
 
 
 def read_documents(source: str, shard: Shard, piece: int, start_row: int,
