@@ -179,31 +179,36 @@ def text_only(tokenizer: Tokenizer) -> Tokenizer:
     return tokenizer
 
 
-def _encode(batch, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool):
-    """Frame every document, [BOT] + ids + [EOT], and cut it into windows of seq_len + 1
-    tokens that overlap by one: every token after [BOT] is a target in exactly one window,
-    and only a document's last window is short (padded later, as a short document's one
-    window is). A long document is encoded in pieces cut where no token changes (see
-    clip_text; with a tokenizer that could change one there, exact_cuts is False and
-    tokenize has warned), so its memory stays that of a piece."""
-    tokenizer.encode_special_tokens = True  # text is text (see text_only); lost when pickled to a worker
+def document_windows(text: str, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool,
+                     ids: list[int] | None = None) -> list[np.ndarray]:
+    """One document framed, [BOT] + ids + [EOT], and cut into windows of seq_len + 1 tokens
+    that overlap by one: every token after [BOT] is a target in exactly one window, and only
+    the last window is short (padded later, as a short document's one window is). A document
+    longer than 2 x PIECE_CHARS is encoded in pieces cut where no token changes (see clip_text;
+    with a tokenizer that could change one there, exact_cuts is False and the caller has
+    warned), so its memory stays that of a piece. `ids`: a short document's ids, where the
+    caller encoded it already (_encode). `tokenizer` encodes special tokens as text (text_only)."""
     bot, eot = tokenizer.token_to_id(BOT), tokenizer.token_to_id(EOT)
+    if ids is None:  # pieces, 16 at a time: each group's encodings freed before the next
+        cut = (iter([text]) if len(text) <= 2 * PIECE_CHARS
+               else pieces(text, PIECE_CHARS, tokenizer.pre_tokenizer if exact_cuts else None))
+        groups = iter(lambda: list(itertools.islice(cut, 16)), [])
+        ids = np.concatenate([np.array(e.ids, dtype=np.int64) for group in groups
+                              for e in tokenizer.encode_batch_fast(group, add_special_tokens=False)])
+    framed = np.concatenate([[bot], np.asarray(ids, dtype=np.int64), [eot]])
+    return [framed[start:start + seq_len + 1] for start in range(0, len(framed) - 1, seq_len)]
+
+
+def _encode(batch, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool):
+    """Every document of a batch cut into its windows (document_windows), the short ones
+    encoded together: on all of the tokenizer's threads where tokenize runs one process."""
+    tokenizer.encode_special_tokens = True  # text is text (see text_only); lost when pickled to a worker
     texts = batch["text"]
     short = [i for i, t in enumerate(texts) if len(t) <= 2 * PIECE_CHARS]
     ids = dict(zip(short, (e.ids for e in tokenizer.encode_batch_fast([texts[i] for i in short],
                                                                         add_special_tokens=False))))
-    windows = []
-    for i, text in enumerate(texts):
-        if i in ids:
-            framed = np.array([bot, *ids.pop(i), eot], dtype=np.int64)
-        else:  # a long document: 16 pieces at a time, each group's encodings freed before the next
-            cut = pieces(text, PIECE_CHARS, tokenizer.pre_tokenizer if exact_cuts else None)
-            groups = iter(lambda: list(itertools.islice(cut, 16)), [])
-            framed = np.concatenate([[bot], *(np.array(e.ids, dtype=np.int64) for group in groups
-                                              for e in tokenizer.encode_batch_fast(group, add_special_tokens=False)),
-                                     [eot]])
-        windows.extend(framed[start:start + seq_len + 1] for start in range(0, len(framed) - 1, seq_len))
-    return {"input_ids": windows}
+    return {"input_ids": [window for i, text in enumerate(texts)
+                          for window in document_windows(text, tokenizer, seq_len, exact_cuts, ids.pop(i, None))]}
 
 
 def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int) -> datasets.Dataset:
@@ -224,7 +229,7 @@ def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int) -> dat
     ids = datasets.Value("uint16" if tokenizer.get_vocab_size() <= 2**16 else "uint32")
     key = datasets.fingerprint.Hasher.hash([texts._fingerprint, tokenizer.to_str(), tokenizers.__version__, seq_len,
                                             ENCODING_CODE, PIECE_CHARS, _CUT.pattern])
-    with _tokenizer_threads(1 if num_proc > 1 else None):
+    with tokenizer_threads(1 if num_proc > 1 else None):
         return caches.cached_map(
             texts, key, "the cached windows", "tokenizing the corpus again",
             lambda windows: caches.wrong_windows(window_targets(windows), seq_len),
@@ -234,7 +239,7 @@ def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int) -> dat
 
 
 # The code that cuts documents into windows, in the windows' cache key: edited, it may cut otherwise
-ENCODING_CODE = caches.code_hash(_encode, pieces, clip_text)
+ENCODING_CODE = caches.code_hash(_encode, document_windows, pieces, clip_text)
 
 
 def _longest(texts: datasets.Dataset) -> int:
@@ -244,7 +249,7 @@ def _longest(texts: datasets.Dataset) -> int:
 
 
 @contextlib.contextmanager
-def _tokenizer_threads(threads: int | None):
+def tokenizer_threads(threads: int | None):
     """With one process per core, each process's tokenizer uses one thread. Setting
     TOKENIZERS_PARALLELISM before `datasets` forks the processes also keeps `tokenizers`
     from warning that it was forked after using its threads (to train the BPE)."""
@@ -345,19 +350,24 @@ class PaddedSequenceDataset(torch.utils.data.Dataset):
         return starts, column.flatten().to_numpy()
 
     def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        starts, flat = self.read_windows(indices)
-        lengths = np.diff(starts)  # tokens in each row, [BOT] and [EOT] included
-        tokens = np.full((len(indices), self.seq_len + 1), self.pad_id, dtype=np.int64)
-        tokens[np.arange(self.seq_len + 1) < lengths[:, None]] = flat  # row after row
-        real = np.arange(self.seq_len) < (lengths - 1)[:, None]  # positions with a real next token
-        x = torch.from_numpy(np.where(real, tokens[:, :-1], self.pad_id))
-        y = torch.from_numpy(np.where(real, tokens[:, 1:], IGNORE_INDEX))
-        return list(zip(x, y))  # the DataLoader's collate stacks them back: one copy of the batch
+        return padded_rows(*self.read_windows(indices), self.seq_len, self.pad_id)
 
     def padding_row(self):
         """A row of padding alone, whose targets are all ignored (see training.val_loader)."""
         return (torch.full((self.seq_len,), self.pad_id, dtype=torch.long),
                 torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long))
+
+
+def padded_rows(starts: np.ndarray, flat: np.ndarray, seq_len: int, pad_id: int) -> list[tuple[torch.Tensor, ...]]:
+    """Windows as PaddedSequenceDataset's items, (x, y) a window: window i's tokens are
+    flat[starts[i]:starts[i + 1]]. --stream's rows (training/stream/rows.py) are made here too."""
+    lengths = np.diff(starts)  # tokens in each row, [BOT] and [EOT] included
+    tokens = np.full((len(lengths), seq_len + 1), pad_id, dtype=np.int64)
+    tokens[np.arange(seq_len + 1) < lengths[:, None]] = flat  # row after row
+    real = np.arange(seq_len) < (lengths - 1)[:, None]  # positions with a real next token
+    x = torch.from_numpy(np.where(real, tokens[:, :-1], pad_id))
+    y = torch.from_numpy(np.where(real, tokens[:, 1:], IGNORE_INDEX))
+    return list(zip(x, y))  # the DataLoader's collate stacks them back: one copy of the batch
 
 
 class ResumableRandomSampler(torch.utils.data.Sampler):

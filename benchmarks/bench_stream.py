@@ -1,4 +1,4 @@
-"""Measure --stream's pieces on a FineWeb-shaped corpus: the online packer, and the BPE.
+"""Measure --stream's pieces on a FineWeb-shaped corpus: the online packer, one sub-stream's rows, and the BPE.
 
     python bench_stream.py                                   # a generated 100 MB corpus, --seq-lens 512 1024 2048
     python bench_stream.py --open-rows 32 128 --mb 200
@@ -19,6 +19,11 @@ are tokenized and cut into windows as data.py cuts them (data.tokenize); then, f
   most windows  the most windows a row holds (the cu_seqlens bound: packer.window_bound)
   windows/s     OnlinePacker.add over every window, then its flush, in one process (the
                 median of 3)
+
+Then, for each --seq-len, one sub-stream's rows a second (training/stream/rows.py): the corpus
+read as --stream reads it (each parquet row group a piece), every document tokenized and cut
+into windows, padded, or packed with 128 rows open, each row made the tensors the trainers
+take; on one core (one torch thread, tokenizers' parallelism off), for at most 10 s each.
 
 The BPE of a run without --tokenizer (--vocab-size tokens, data.TOKENIZER_TRAIN_CHARS at most),
 each way in a fresh process, from the corpus's file to the trained tokenizer:
@@ -86,6 +91,31 @@ def online(windows: list, seq_len: int, open_rows: int, repeats: int = 3) -> dic
             "in_stream": padding(closed, seq_len), "flushed": len(flushed),
             "most_windows": max(map(len, closed + flushed)), "bound": packer.max_windows - 1,
             "windows_per_s": len(windows) / statistics.median(seconds)}
+
+
+def sub_stream_rows_per_s(path: Path, tokenizer, seq_len: int, pack: bool, seconds: float = 10.0) -> float:
+    """Rows a second of one sub-stream of the corpus (its documents in a shuffle of its row
+    groups), on one core: as many as `seconds` allow, or all of them."""
+    import torch
+    import data
+    from training.stream import shards
+    from training.stream.order import SubStreams
+    from training.stream.rows import SubStreamRows
+    [shard] = shards.find_shards(str(path), "text")
+    rows = SubStreamRows(SubStreams(list(shard.pieces), 1, seed=0), 0,
+                         lambda piece, row: shards.read_documents(str(path), shard, piece, row, "text"),
+                         tokenizer, seq_len, pack, epochs=1)
+    threads, made = torch.get_num_threads(), 0
+    torch.set_num_threads(1)
+    try:
+        with data.tokenizer_threads(1):
+            start = time.perf_counter()
+            for made, _ in enumerate(rows, start=1):
+                if time.perf_counter() - start > seconds:
+                    break
+            return made / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def padding(rows: list, seq_len: int) -> float:
@@ -160,7 +190,8 @@ def bpe_table(path: Path, vocab_size: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    """Prints the tables; returns {seq_len: {"offline": ..., open_rows: ...}, "bpe": {...}}."""
+    """Prints the tables; returns {seq_len: {"offline": ..., open_rows: ..., "rows_per_s": {"padded", "packed"}},
+    "bpe": {...}}."""
     args = parse_args(argv)
     import datasets
     from benchmarks import bench_data
@@ -192,6 +223,12 @@ def main(argv=None) -> dict:
             print(f"  {f'online {open_rows}':<14}{row['rows']:10,}{row['in_stream']:11.2%}{row['padding']:12.2%}"
                   f"{(row['in_stream'] - best['padding']) * 100:+12.2f}{row['most_windows']:8,} of {row['bound']:<3,}"
                   f"{row['windows_per_s']:12,.0f}", flush=True)
+    print("\none sub-stream's rows a second, on one core:")
+    for seq_len in args.seq_lens:
+        made = results[seq_len]["rows_per_s"] = {
+            framing: sub_stream_rows_per_s(path, tokenizer, seq_len, pack=framing == "packed")
+            for framing in ("padded", "packed")}
+        print(f"  --seq-len {seq_len}: {made['padded']:7,.0f} padded {made['packed']:7,.0f} packed", flush=True)
     return results
 
 

@@ -257,9 +257,12 @@ def test_bench_stream_measures_offline_and_online_padding_at_toy_size(tmp_path, 
     results = bench_stream.main(["--mb", "1", "--seq-lens", "64", "128", "--open-rows", "2", "16",
                                  "--vocab-size", "300", "--data-dir", str(tmp_path)])
     printed = capsys.readouterr().out
-    assert sorted(results) == [64, 128] and all(sorted(r, key=str) == [16, 2, "offline"] for r in results.values())
+    assert sorted(results) == [64, 128] and all(sorted(r, key=str) == [16, 2, "offline", "rows_per_s"]
+                                                for r in results.values())
     for seq_len, result in results.items():
         assert f"--seq-len {seq_len}: " in printed
+        made = result.pop("rows_per_s")  # one sub-stream's rows a second
+        assert sorted(made) == ["packed", "padded"] and min(made.values()) > 0
         tokens = {round(row["rows"] * seq_len * (1 - row["padding"])) for row in result.values()}
         assert len(tokens) == 1
         assert 0 <= result["offline"]["padding"] <= result[16]["padding"] < 1
