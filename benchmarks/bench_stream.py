@@ -200,12 +200,12 @@ def main(argv=None) -> dict:
     datasets.disable_progress_bars()
 
     path = bench_data.prepared_corpus(args)
+    texts = bench_data.read_texts(path)  # a damaged corpus: one line, before any section
     results = {}
     if "bpe" in args.sections:
         results["bpe"] = bpe_table(path, args.vocab_size)
     if "packer" not in args.sections:
         return results
-    texts = bench_data.read_texts(path)
     tokenizer = data.load_tokenizer(bench_data.bpe(path, args.vocab_size, texts))
     print(f"{path.name}: {len(texts):,} documents, {sum(len(t.encode()) for t in texts) / 1e6:.0f} MB of text | "
           f"BPE of {tokenizer.get_vocab_size():,} tokens", flush=True)

@@ -255,7 +255,7 @@ def test_bench_stream_measures_offline_and_online_padding_at_toy_size(tmp_path, 
     for each --open-rows, over the same windows (the same tokens in every packing's rows)."""
     from benchmarks import bench_stream
     results = bench_stream.main(["--mb", "1", "--seq-lens", "64", "128", "--open-rows", "2", "16",
-                                 "--vocab-size", "300", "--data-dir", str(tmp_path)])
+                                 "--vocab-size", "300", "--data-dir", str(tmp_path), "--sections", "packer"])
     printed = capsys.readouterr().out
     assert sorted(results) == [64, 128] and all(sorted(r, key=str) == [16, 2, "offline", "rows_per_s"]
                                                 for r in results.values())
