@@ -195,3 +195,15 @@ def test_the_bpe_reads_the_stream_as_far_as_its_budget_and_no_further(tmp_path, 
     assert small.to_str() != every.to_str()
     assert "later" in every.get_vocab() and "later" not in small.get_vocab()
     assert list(itertools.islice(training_documents(source, found, "text", held_out), 2)) == texts[3:5]
+
+
+def test_bench_stream_trains_the_bpe_both_ways_at_toy_size(tmp_path):
+    """bench_stream.py --sections bpe on a 1 MB corpus: the map-style BPE and the stream's, each in a process of its
+    own, each holding documents out and giving a tokenizer of the size asked for."""
+    from benchmarks import bench_stream
+    from tokenizers import Tokenizer
+    results = bench_stream.main(["--mb", "1", "--vocab-size", "300", "--data-dir", str(tmp_path), "--sections", "bpe"])
+    assert sorted(results) == ["bpe"] and sorted(results["bpe"]) == ["map-style", "stream"]
+    for row in results["bpe"].values():
+        assert row["held_out"] > 0 and row["bpe_s"] > 0 and row["peak_mb"] > 0
+        assert Tokenizer.from_str(row["tokenizer"]).get_vocab_size() == 300
