@@ -3,6 +3,7 @@
     python bench_stream.py                                   # a generated 100 MB corpus, --seq-lens 512 1024 2048
     python bench_stream.py --open-rows 32 128 --mb 200
     python bench_stream.py --sections bpe                    # the BPE alone
+    python bench_stream.py --sections loader                 # the cost of the loader's state a step
 
 The corpus is bench_data.py's (generated once, FineWeb's shape: log-normal document lengths,
 median about 1,800 characters) with its 50,000-token BPE. Its documents, in the file's order,
@@ -24,6 +25,14 @@ Then, for each --seq-len, one sub-stream's rows a second (training/stream/rows.p
 read as --stream reads it (each parquet row group a piece), every document tokenized and cut
 into windows, padded, or packed with 128 rows open, each row made the tensors the trainers
 take; on one core (one torch thread, tokenizers' parallelism off), for at most 10 s each.
+
+The loader's state a step (training/stream/loader.py), for each --seq-len: one sub-stream's
+state with --pack once 1,500 rows are made (its packer's 128 rows open by then), which a
+worker sends with every step's rows of the sub-stream:
+  size          the packer's open rows' tokens, int32 (the cursor is a few ints)
+  make          SubStreamRows.state_dict() (the median of 50)
+  receive       the main process's wait for a worker's item that holds it, the worker always
+                ahead (the median of 200), and for one that holds its cursor alone
 
 The BPE of a run without --tokenizer (--vocab-size tokens, data.TOKENIZER_TRAIN_CHARS at most),
 each way in a fresh process, from the corpus's file to the trained tokenizer:
@@ -51,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--seq-lens", type=at_least(1), nargs="+", default=[512, 1024, 2048])
     p.add_argument("--open-rows", type=at_least(1), nargs="+", default=[8, 32, 128, 512],
                    help="rows the online packer holds open, one table row each")
-    p.add_argument("--sections", nargs="+", choices=["packer", "bpe"], default=["packer", "bpe"])
+    p.add_argument("--sections", nargs="+", choices=["packer", "bpe", "loader"], default=["packer", "bpe", "loader"])
     bench_data.add_corpus_arguments(p, megabytes=100)
     args = p.parse_args(argv)
     bench_data.check_data(args)
@@ -93,18 +102,23 @@ def online(windows: list, seq_len: int, open_rows: int, repeats: int = 3) -> dic
             "windows_per_s": len(windows) / statistics.median(seconds)}
 
 
-def sub_stream_rows_per_s(path: Path, tokenizer, seq_len: int, pack: bool, seconds: float = 10.0) -> float:
-    """Rows a second of one sub-stream of the corpus (its documents in a shuffle of its row
-    groups), on one core: as many as `seconds` allow, or all of them."""
-    import torch
-    import data
+def one_sub_stream(path: Path, tokenizer, seq_len: int, pack: bool):
+    """The corpus as one sub-stream (its documents in a shuffle of its row groups) read for one epoch."""
     from training.stream import shards
     from training.stream.order import SubStreams
     from training.stream.rows import SubStreamRows
     [shard] = shards.find_shards(str(path), "text")
-    rows = SubStreamRows(SubStreams(list(shard.pieces), 1, seed=0), 0,
+    return SubStreamRows(SubStreams(list(shard.pieces), 1, seed=0), 0,
                          lambda piece, row: shards.read_documents(str(path), shard, piece, row, "text"),
                          tokenizer, seq_len, pack, epochs=1)
+
+
+def sub_stream_rows_per_s(path: Path, tokenizer, seq_len: int, pack: bool, seconds: float = 10.0) -> float:
+    """Rows a second of one sub-stream of the corpus, on one core: as many as `seconds` allow,
+    or all of them."""
+    import torch
+    import data
+    rows = one_sub_stream(path, tokenizer, seq_len, pack)
     threads, made = torch.get_num_threads(), 0
     torch.set_num_threads(1)
     try:
@@ -116,6 +130,49 @@ def sub_stream_rows_per_s(path: Path, tokenizer, seq_len: int, pack: bool, secon
             return made / (time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
+
+
+def state_cost(path: Path, tokenizer, seq_len: int, rows: int = 1500) -> dict:
+    """A packed sub-stream's state after `rows` rows (or all it has): its size, the time to make
+    it, and the main process's wait for a worker's item that holds it, or its cursor alone."""
+    import copy
+    import itertools
+    import torch
+    from torch.utils.data import DataLoader, IterableDataset
+
+    class Again(IterableDataset):  # an item again and again, a fresh copy each time, as a worker makes them
+        def __init__(self, item):
+            self.item = item
+
+        def __iter__(self):
+            while True:
+                yield copy.deepcopy(self.item)
+
+    sub_stream = one_sub_stream(path, tokenizer, seq_len, pack=True)
+    for _ in itertools.islice(sub_stream, rows):
+        pass
+    made = []
+    for _ in range(50):
+        start = time.perf_counter()
+        state = sub_stream.state_dict()
+        made.append(time.perf_counter() - start)
+    received = {}
+    for name, item in (("state", state), ("cursor", state["cursor"])):
+        items = iter(DataLoader(Again(item), batch_size=None, num_workers=1, collate_fn=lambda item: item,
+                                multiprocessing_context="fork", generator=torch.Generator()))
+        next(items)  # the worker started
+        waits = []
+        for _ in range(200):
+            time.sleep(0.005)  # the worker makes its next item meanwhile
+            start = time.perf_counter()
+            got = next(items)
+            waits.append(time.perf_counter() - start)
+        received[name] = statistics.median(waits)
+        if name == "state":  # what came is the state, its tokens whole
+            received["mb"] = got["packer"]["tokens"].nbytes / 1e6 if got.get("packer") else 0
+    return {"open_rows": len(state["packer"]["windows"]), "mb": state["packer"]["tokens"].nbytes / 1e6,
+            "make_ms": statistics.median(made) * 1e3, "receive_ms": received["state"] * 1e3,
+            "cursor_ms": received["cursor"] * 1e3, "received_mb": received["mb"]}
 
 
 def padding(rows: list, seq_len: int) -> float:
@@ -189,9 +246,20 @@ def bpe_table(path: Path, vocab_size: int) -> dict:
     return results
 
 
+def loader_table(path: Path, tokenizer, seq_lens: list[int]) -> dict:
+    print("\nthe loader's state a step: one packed sub-stream's, as its worker sends it")
+    print(f"  {'--seq-len':<12}{'open rows':>10}{'size':>10}{'make':>10}{'receive':>10}{'cursor alone':>14}")
+    results = {}
+    for seq_len in seq_lens:
+        row = results[seq_len] = state_cost(path, tokenizer, seq_len)
+        print(f"  {seq_len:<12}{row['open_rows']:10,}{row['mb']:7.2f} MB{row['make_ms']:7.2f} ms"
+              f"{row['receive_ms']:7.2f} ms{row['cursor_ms']:11.2f} ms", flush=True)
+    return results
+
+
 def main(argv=None) -> dict:
     """Prints the tables; returns {seq_len: {"offline": ..., open_rows: ..., "rows_per_s": {"padded", "packed"}},
-    "bpe": {...}}."""
+    "bpe": {...}, "loader": {seq_len: {...}}}."""
     args = parse_args(argv)
     import datasets
     from benchmarks import bench_data
@@ -204,11 +272,15 @@ def main(argv=None) -> dict:
     results = {}
     if "bpe" in args.sections:
         results["bpe"] = bpe_table(path, args.vocab_size)
-    if "packer" not in args.sections:
+    if "packer" not in args.sections and "loader" not in args.sections:
         return results
     tokenizer = data.load_tokenizer(bench_data.bpe(path, args.vocab_size, texts))
     print(f"{path.name}: {len(texts):,} documents, {sum(len(t.encode()) for t in texts) / 1e6:.0f} MB of text | "
           f"BPE of {tokenizer.get_vocab_size():,} tokens", flush=True)
+    if "loader" in args.sections:
+        results["loader"] = loader_table(path, tokenizer, args.seq_lens)
+    if "packer" not in args.sections:
+        return results
     for seq_len in args.seq_lens:
         windows = stream_windows(texts, tokenizer, seq_len)
         best = offline(windows, seq_len)
