@@ -4,6 +4,7 @@
     python bench_stream.py --open-rows 32 128 --mb 200
     python bench_stream.py --sections bpe                    # the BPE alone
     python bench_stream.py --sections loader                 # the cost of the loader's state a step
+    python bench_stream.py --sections checkpoint             # the states a checkpoint gathers and holds
 
 The corpus is bench_data.py's (generated once, FineWeb's shape: log-normal document lengths,
 median about 1,800 characters) with its 50,000-token BPE. Its documents, in the file's order,
@@ -34,6 +35,16 @@ worker sends with every step's rows of the sub-stream:
   receive       the main process's wait for a worker's item that holds it, the worker always
                 ahead (the median of 200), and for one that holds its cursor alone
 
+The states a checkpoint holds (training/stream/run.py), for each --seq-len: 8 packed sub-streams
+(the default --sub-streams) of the corpus rewritten in 32 row groups (its own are 10,000 rows
+each: 4 pieces, too few to deal to 8), read by 2 ranks (StreamFeed, 4 sub-streams each) for
+--steps steps of one row from each:
+  open rows     the packers' open rows, the mean of the 8 (128 at most)
+  tokens        their tokens, int32, the 8 together
+  sent          what each rank's gather_object sends: its 4 states pickled
+  saved         the 8 states as torch.save writes them into the checkpoint
+  gather        run.gather_states, 2 gloo ranks as threads of this process (the median of 20)
+
 The BPE of a run without --tokenizer (--vocab-size tokens, data.TOKENIZER_TRAIN_CHARS at most),
 each way in a fresh process, from the corpus's file to the trained tokenizer:
   map-style     run_data.load_text (load_corpus on a fresh `datasets` cache, the seeded split)
@@ -53,6 +64,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
 
 
+SECTIONS = ["packer", "bpe", "loader", "checkpoint"]
+
+
 def parse_args(argv=None):
     from benchmarks import bench_data
     from training.errors import ArgumentParser, at_least
@@ -60,7 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-lens", type=at_least(1), nargs="+", default=[512, 1024, 2048])
     p.add_argument("--open-rows", type=at_least(1), nargs="+", default=[8, 32, 128, 512],
                    help="rows the online packer holds open, one table row each")
-    p.add_argument("--sections", nargs="+", choices=["packer", "bpe", "loader"], default=["packer", "bpe", "loader"])
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS)
+    p.add_argument("--steps", type=at_least(1), default=400, help="--sections checkpoint: the steps read first")
     bench_data.add_corpus_arguments(p, megabytes=100)
     args = p.parse_args(argv)
     bench_data.check_data(args)
@@ -175,6 +190,77 @@ def state_cost(path: Path, tokenizer, seq_len: int, rows: int = 1500) -> dict:
             "cursor_ms": received["cursor"] * 1e3, "received_mb": received["mb"]}
 
 
+def checkpoint_cost(path: Path, tokenizer, seq_len: int, steps: int, streams: int = 8, world_size: int = 2) -> dict:
+    """`streams` packed sub-streams read by `world_size` ranks for `steps` steps of a row from
+    each: their states' size as gather_states sends them and as a checkpoint holds them, and
+    the time to gather them (gloo ranks as threads)."""
+    import io
+    import itertools
+    import pickle
+    import pyarrow.parquet as pq
+    import torch
+    from training.stream import run, shards
+    from training.stream.loader import StreamFeed
+    from training.stream.order import SubStreams
+    pieces = path.with_name(f"{path.stem}.32_row_groups.parquet")
+    if not pieces.exists():  # written whole, then named: an interrupted write leaves no half a corpus
+        table = pq.read_table(path)
+        pq.write_table(table, pieces.with_suffix(".tmp"), row_group_size=-(-len(table) // 32))
+        pieces.with_suffix(".tmp").rename(pieces)
+    [shard] = shards.find_shards(str(pieces), "text")
+    sub_streams = SubStreams(list(shard.pieces), streams, seed=0)
+    feeds = [StreamFeed(sub_streams, lambda piece, row: shards.read_documents(str(pieces), shard, piece, row, "text"),
+                        tokenizer, seq_len, True, epochs=1, batch_size=streams, world_size=world_size, rank=rank)
+             for rank in range(world_size)]
+    for feed in feeds:
+        for _ in itertools.islice(feed, steps):
+            pass
+    states = {s: state for feed in feeds for s, state in feed.state_dict().items()}
+    saved = io.BytesIO()
+    torch.save(states, saved)
+
+    def gather(rank, group) -> list[float]:
+        waits = []
+        for _ in range(20):
+            start = time.perf_counter()
+            run.gather_states(feeds[rank], group)
+            waits.append(time.perf_counter() - start)
+        return waits
+    waits = on_gloo_ranks(world_size, gather)[0]
+    return {"open_rows": statistics.mean(len(state["packer"]["windows"]) for state in states.values()),
+            "tokens_mb": sum(state["packer"]["tokens"].nbytes for state in states.values()) / 1e6,
+            "sent_mb": max(len(pickle.dumps(feed.state_dict())) for feed in feeds) / 1e6,
+            "saved_mb": saved.tell() / 1e6, "gather_ms": statistics.median(waits) * 1e3}
+
+
+def on_gloo_ranks(world_size: int, work) -> list:
+    """work(rank, group) on `world_size` ranks, each a thread of this process with a gloo group of
+    its own (no process group to set up, as torchrun would): their results, or the first error."""
+    import datetime
+    import threading
+    import warnings
+    import torch.distributed as dist
+    store, results, errors = dist.HashStore(), [None] * world_size, []
+
+    def rank_loop(rank):
+        try:
+            group = dist.ProcessGroupGloo(dist.PrefixStore("ranks", store), rank, world_size,
+                                          datetime.timedelta(seconds=60))
+            results[rank] = work(rank, group)
+        except BaseException as e:
+            errors.append(e)
+    threads = [threading.Thread(target=rank_loop, args=(rank,)) for rank in range(world_size)]
+    with warnings.catch_warnings():  # torch's, of an object collective on a group made by hand, as here
+        warnings.filterwarnings("ignore", "You are using a Backend")
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 def padding(rows: list, seq_len: int) -> float:
     """The share of the rows' positions that hold no token (a window of n tokens fills n - 1)."""
     filled = sum(len(window) - 1 for row in rows for window in row)
@@ -257,9 +343,20 @@ def loader_table(path: Path, tokenizer, seq_lens: list[int]) -> dict:
     return results
 
 
+def checkpoint_table(path: Path, tokenizer, seq_lens: list[int], steps: int) -> dict:
+    print(f"\nthe states a checkpoint holds: 8 packed sub-streams after {steps} steps, gathered from 2 ranks")
+    print(f"  {'--seq-len':<12}{'open rows':>10}{'tokens':>11}{'sent':>11}{'saved':>11}{'gather':>10}")
+    results = {}
+    for seq_len in seq_lens:
+        row = results[seq_len] = checkpoint_cost(path, tokenizer, seq_len, steps)
+        print(f"  {seq_len:<12}{row['open_rows']:10.0f}{row['tokens_mb']:8.2f} MB{row['sent_mb']:8.2f} MB"
+              f"{row['saved_mb']:8.2f} MB{row['gather_ms']:7.1f} ms", flush=True)
+    return results
+
+
 def main(argv=None) -> dict:
     """Prints the tables; returns {seq_len: {"offline": ..., open_rows: ..., "rows_per_s": {"padded", "packed"}},
-    "bpe": {...}, "loader": {seq_len: {...}}}."""
+    "bpe": {...}, "loader": {seq_len: {...}}, "checkpoint": {seq_len: {...}}}."""
     args = parse_args(argv)
     import datasets
     from benchmarks import bench_data
@@ -272,13 +369,15 @@ def main(argv=None) -> dict:
     results = {}
     if "bpe" in args.sections:
         results["bpe"] = bpe_table(path, args.vocab_size)
-    if "packer" not in args.sections and "loader" not in args.sections:
+    if not {"packer", "loader", "checkpoint"} & set(args.sections):
         return results
     tokenizer = data.load_tokenizer(bench_data.bpe(path, args.vocab_size, texts))
     print(f"{path.name}: {len(texts):,} documents, {sum(len(t.encode()) for t in texts) / 1e6:.0f} MB of text | "
           f"BPE of {tokenizer.get_vocab_size():,} tokens", flush=True)
     if "loader" in args.sections:
         results["loader"] = loader_table(path, tokenizer, args.seq_lens)
+    if "checkpoint" in args.sections:
+        results["checkpoint"] = checkpoint_table(path, tokenizer, args.seq_lens, args.steps)
     if "packer" not in args.sections:
         return results
     for seq_len in args.seq_lens:

@@ -17,6 +17,7 @@ from ops import packed_attention
 from training import corpus, run_folder, weights
 from training.errors import ArgumentParser, UsageError, warn
 from training.launch import check_launch_environment
+from training.stream import run as stream_run
 
 
 def flag(default, help, minimum=None, maximum=None, number=None, same_on_resume=False, only=None,
@@ -48,6 +49,14 @@ class TrainConfig:
     text_column: str = flag("text", "column that holds the documents")
     val_docs: int | None = flag(None, "documents held out for validation (default: 1%%, at most 1000)", minimum=1,
                                 same_on_resume=True, type=int)
+    stream: bool = flag(False, "read --dataset's shards (a folder or file of .parquet/.jsonl/.jsonl.gz/.jsonl.zst) "
+                        "as training goes, each rank its own sub-streams, tokenized (and with --pack packed) on "
+                        "the fly: nothing prepared before the first step, and a resume exact at any world size "
+                        "that divides --sub-streams")
+    sub_streams: int | None = flag(None, "--stream: how many sub-streams the shards are dealt into, fixed for the "
+                                   "run, which resumes at any world size that divides it (default: 8, or the world "
+                                   "size if larger, lowered to divide --batch-size and to the shards' pieces with "
+                                   "data)", minimum=1, same_on_resume=True, type=int)
     tokenizer: str | None = flag(None, "tokenizer.json to use instead of training a BPE", type=str)
     vocab_size: int | None = flag(None, "BPE vocabulary size to train", minimum=256 + len(data.SPECIAL_TOKENS),
                                   same_on_resume=True, type=int)  # every byte, plus the special tokens
@@ -232,6 +241,7 @@ def validate(cfg: TrainConfig):
         except ImportError:
             raise UsageError(f"--{package} needs the {package} package: pip install {package}") from None
     corpus.check_dataset_flags(cfg.dataset, cfg.dataset_config, cfg.split)
+    stream_run.check_flags(cfg)  # after the dataset's own checks: a missing one is said as such
     run_folder.check_writable(cfg.out_dir)
     dataset = Path(cfg.dataset).expanduser()
     inside = dataset.is_dir() and Path(cfg.out_dir).resolve().is_relative_to(dataset.resolve())
