@@ -21,6 +21,8 @@ def prepare(cfg: TrainConfig, turns=OneProcess(), sharded: bool = False, model_f
     and held-out datasets. Tokenized once: `datasets` caches the result on disk. sharded:
     the run's checkpoints are train_fsdp.py's. model_fits (a memory.Check): called with the
     vocabulary size, as soon as it is known."""
+    if cfg.stream:  # parsed and checked (training/stream/run.py), not yet trained on: never map-style in its place
+        raise UsageError("--stream is not wired into the training scripts yet: leave it out to train map-style")
     resuming = turns.everywhere(lambda: resume.resuming(cfg.out_dir, cfg.resume))  # refuses to overwrite a run
     ckpt = turns.everywhere(lambda: resume.load_run(cfg.out_dir, sharded)) if resuming else None
     train_text, val_text, fingerprint = load_text(cfg, ckpt, turns)
