@@ -41,7 +41,7 @@ from benchmarks import step_rows  # noqa: E402
 from benchmarks.bench import free_port  # noqa: E402
 from benchmarks.step_rows import BASELINE, FSDP  # noqa: E402
 from model import PRESETS  # noqa: E402
-from training import build, config, files, launch, metrics, stopping  # noqa: E402
+from training import build, config, files, launch, metrics, run_folder, stopping  # noqa: E402
 from training.errors import ArgumentParser, UsageError, at_least, first_line, path_argument  # noqa: E402
 
 
@@ -76,8 +76,8 @@ def parse_args(argv=None):
     if args.seq_len > PRESETS[args.model]["max_position_embeddings"]:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the {args.model} model's "
                          f"{PRESETS[args.model]['max_position_embeddings']} positions")
-    out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    run_folder.check_writable(args.out, "--out")  # a file on its path, a dangling link, no permission: one line
+    if Path(args.out).exists() and any(Path(args.out).iterdir()):
         raise UsageError(f"--out {args.out}: not an empty folder; the report takes a folder of its own")
     return args
 
