@@ -41,7 +41,7 @@ from benchmarks import step_rows  # noqa: E402
 from benchmarks.bench import free_port  # noqa: E402
 from benchmarks.step_rows import BASELINE, FSDP  # noqa: E402
 from model import PRESETS  # noqa: E402
-from training import build, config, files, launch, metrics, stopping  # noqa: E402
+from training import build, config, files, launch, metrics, run_folder, stopping  # noqa: E402
 from training.errors import ArgumentParser, UsageError, at_least, first_line, path_argument  # noqa: E402
 
 
@@ -76,8 +76,8 @@ def parse_args(argv=None):
     if args.seq_len > PRESETS[args.model]["max_position_embeddings"]:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the {args.model} model's "
                          f"{PRESETS[args.model]['max_position_embeddings']} positions")
-    out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    run_folder.check_writable(args.out, "--out")  # a file on its path, a dangling link, no permission: one line
+    if Path(args.out).exists() and any(Path(args.out).iterdir()):
         raise UsageError(f"--out {args.out}: not an empty folder; the report takes a folder of its own")
     return args
 
@@ -119,8 +119,8 @@ def start_cuda_tests(out: Path, cuda: bool) -> subprocess.Popen:
     with 16 cores they passed so, docs/benchmarks.md)."""
     command = [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-q", "-p", "no:cacheprovider",
                "-n", "8" if cuda else "0"]
-    log = open(out / "cuda_tests.log", "w")
-    return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    with open(out / "cuda_tests.log", "w") as log:  # the child writes to its own copy of the file
+        return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
 def cuda_tests_result(tests: subprocess.Popen, out: Path, seconds: float) -> str:
@@ -246,10 +246,11 @@ def ratios(report: dict) -> list[str]:
 
 def profile(trace: str) -> dict:
     """A traced step's figures: its span, its kernels' time by kind, the rest's largest, trace_summary's lines."""
-    from tools import trace_summary
-    summary = trace_summary.summarize(trace)[-1]
+    from tools import kernel_kinds, trace_summary
+    summary = trace_summary.summarize(trace)[-1]  # read once: an article step's trace takes seconds
+    by_kind = kernel_kinds.step_by_kind(summary)
     return {"trace": str(Path(trace).relative_to(Path(trace).parents[2])), "lines": trace_summary.describe(summary),
-            "step_ms": trace_summary.kernel_time_by_kind(trace)[summary["step"]]["ms"], **summary["kinds"]}
+            "step_ms": by_kind.pop("ms"), **by_kind}
 
 
 def profile_lines(profiles: dict) -> list[str]:
@@ -267,6 +268,11 @@ def profile_lines(profiles: dict) -> list[str]:
         largest = ", ".join(f"`{kernel[:80]}` {ms:.2f}" for kernel, ms in p["rest_top"][:5])
         lines += ["", f"{name} (`{p['trace']}`), the rest's largest (ms): {largest}", "", "```", *p["lines"], "```"]
     return lines
+
+
+def failed(error: Exception) -> str:
+    """A row's (or a profile's) failure, in its one line of the report."""
+    return f"failed: {type(error).__name__}: {first_line(error)}"[:300]
 
 
 def main(argv=None, leave_at_once=False):
@@ -311,14 +317,13 @@ def main(argv=None, leave_at_once=False):
                                                 device, dtype, mesh))
                 result["mfu"] = result["tokens_per_s"] * flops / 1e12 / peak if peak else None
             except Exception as e:  # one row's failure (out of memory, a compile error) is its row's line
-                result["error"] = f"failed: {type(e).__name__}: {first_line(e)}"[:300]
+                result["error"] = failed(e)
             step_rows.free(device)
         if "trace" in result:
             try:
                 report.setdefault("profiles", {})[spec["name"]] = profile(result["trace"])
             except Exception as e:
-                report.setdefault("profiles", {})[spec["name"]] = {"error": f"failed: {type(e).__name__}: "
-                                                                   f"{first_line(e)}"[:300]}
+                report.setdefault("profiles", {})[spec["name"]] = {"error": failed(e)}
         write_report(out, report)
         print(f"{spec['name']}: {result}", flush=True)
     report["seconds"] = time.perf_counter() - started

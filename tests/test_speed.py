@@ -315,6 +315,8 @@ BAD_BENCH_FLAGS = [
                          "{tmp}/missing/bench_memory.json"], "--json {tmp}/missing/bench_memory.json: its folder"),
     # the report's folder is its own: a user's files there would be mixed with (or replaced by) the report's
     ("gpu_report.py", ["--out", "benchmarks", "--device", "cpu"], "--out benchmarks: not an empty folder"),
+    ("gpu_report.py", ["--out", "README.md/report", "--device", "cpu"], "--out README.md/report: "),  # was mkdir's
+    ("gpu_report.py", ["--out", "/dev/zero", "--device", "cpu"], "--out /dev/zero exists and is not a folder"),
     ("gpu_report.py", ["--out", "{tmp}/r", "--device", "cuda"], "--device cuda: torch sees no CUDA GPU here"),
     ("gpu_report.py", ["--out", "{tmp}/r", "--device", "cpu", "--model", "debug", "--seq-len", "4096"],
      "--seq-len 4096 exceeds the debug model's 1024 positions"),

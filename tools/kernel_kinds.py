@@ -119,6 +119,13 @@ def by_kind(work, step: tuple[float, float], window: tuple[float, float], marks)
             "rest_top": sorted(rest.items(), key=lambda item: -item[1])[:TOP]}
 
 
+def step_by_kind(summary: dict) -> dict:
+    """{"ms": the step's span (on a GPU the GPU's), "total_ms", "kinds", "rest_top"} of one of
+    trace_summary.summarize's steps (by_kind's: the kernels' own durations, or on a CPU the operators' own time)."""
+    return {"ms": summary["gpu"]["end"] - summary["gpu"]["start"] if "gpu" in summary else summary["ms"],
+            **summary["kinds"]}
+
+
 def describe(found: dict, what: str) -> list[str]:
     """Two lines: each kind's ms and share of the total, then the rest's three largest."""
     total = found["total_ms"]

@@ -371,11 +371,8 @@ def describe(summary: dict) -> list[str]:
 
 
 def kernel_time_by_kind(path) -> dict[int, dict]:
-    """Each traced step's kernel time by kind, by step number: {"ms": the step's span (on a GPU the GPU's),
-    "total_ms", "kinds", "rest_top"} (kernel_kinds.by_kind: the kernels' own durations, or on a CPU the
-    operators' own time)."""
-    return {s["step"]: {"ms": s["gpu"]["end"] - s["gpu"]["start"] if "gpu" in s else s["ms"], **s["kinds"]}
-            for s in summarize(path)}
+    """Each traced step's kernel time by kind (kernel_kinds.step_by_kind), by step number."""
+    return {s["step"]: kernel_kinds.step_by_kind(s) for s in summarize(path)}
 
 
 def trace_name(path) -> str:
