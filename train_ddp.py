@@ -70,11 +70,12 @@ def main():
     model = DDP(raw_model, device_ids=[local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True,
                 **launch.NO_BUFFER_SYNC)  # why these two options: training/launch.py
 
-    # each rank reads every world_size-th sample of the epoch's permutation: together, train_dp.py's batch
-    sampler = data.ResumableDistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True,
-                                               seed=cfg.seed, drop_last=True)
-    loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
-                        pin_memory=device.type == "cuda")
+    if not cfg.stream:  # --stream: each rank's feed is made in the loop (docs/streaming.md)
+        # each rank reads every world_size-th sample of the epoch's permutation: together, train_dp.py's batch
+        sampler = data.ResumableDistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True,
+                                                   seed=cfg.seed, drop_last=True)
+        loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
+                            pin_memory=device.type == "cuda")
     val_loader = evaluation.val_loader(val_ds, rank, world_size, micro_batch)
     writer = pt_checkpoint.PtCheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
     stop = stopping.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
@@ -94,11 +95,14 @@ def main():
         profiler.begin(step + 1)  # --profile: traces a few steps; without it, nothing
         epoch, step_in_epoch = divmod(step, steps_per_epoch)
         if batches is None or step_in_epoch == 0:
-            # a new epoch reshuffles; a resumed run skips the samples it has already seen
-            sampler.set_epoch(epoch, start=step_in_epoch * micro_batch * cfg.grad_accum)
-            # a thread reads each step's micro-batches onto the device while the step before runs
-            batches = read_ahead.ReadAhead(loader, cfg.grad_accum, device,
-                                           steps=min(steps_per_epoch - step_in_epoch, last_step - step))
+            if cfg.stream:  # one feed for the whole run: each rank's sub-streams, read ahead from where they stand
+                batches = train_ds.read_ahead(rank, world_size, device)
+            else:
+                # a new epoch reshuffles; a resumed run skips the samples it has already seen
+                sampler.set_epoch(epoch, start=step_in_epoch * micro_batch * cfg.grad_accum)
+                # a thread reads each step's micro-batches onto the device while the step before runs
+                batches = read_ahead.ReadAhead(loader, cfg.grad_accum, device,
+                                               steps=min(steps_per_epoch - step_in_epoch, last_step - step))
         with speedometer.waiting():  # for data_wait_fraction
             micro_batches = next(batches)
         # Real (non-pad) targets in this whole optimizer step. Dividing each micro-batch's
@@ -143,6 +147,8 @@ def main():
         with speedometer.paused(saving or evaluating or profiler.writes_after(step)):
             if saving:
                 divergence.check_weights(step, raw_model)  # real jobs: on every rank, before saving
+                if cfg.stream:  # every rank's sub-stream positions, to rank 0 (a collective)
+                    train_ds.gather(batches, control)
             if saving and is_main:
                 # One writer, and no collective or DDP call inside this branch. The write runs in
                 # a background thread, so the other ranks never wait in a collective for the disk.

@@ -53,10 +53,11 @@ def main():
     # DataParallel: one process drives every visible GPU (uncompiled: config.py refuses --compile there)
     model = nn.DataParallel(raw_model) if gpus > 1 else raw_model
 
-    # each epoch a permutation of seed + epoch alone: train_ddp.py deals the same one to its ranks
-    sampler = data.ResumableRandomSampler(train_ds, seed=cfg.seed)
-    loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
-                        pin_memory=device.type == "cuda")
+    if not cfg.stream:  # --stream: each rank's feed is made in the loop (docs/streaming.md)
+        # each epoch a permutation of seed + epoch alone: train_ddp.py deals the same one to its ranks
+        sampler = data.ResumableRandomSampler(train_ds, seed=cfg.seed)
+        loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,
+                            pin_memory=device.type == "cuda")
     val_loader = evaluation.val_loader(val_ds, rank, world_size, micro_batch)
     writer = pt_checkpoint.PtCheckpointWriter(cfg.out_dir, cfg.keep_checkpoints)
     stop = stopping.StopSignal()  # real jobs: SIGTERM/SIGUSR1/Ctrl-C: finish the step, save, exit 0
@@ -76,11 +77,14 @@ def main():
         profiler.begin(step + 1)  # --profile: traces a few steps; without it, nothing
         epoch, step_in_epoch = divmod(step, steps_per_epoch)
         if batches is None or step_in_epoch == 0:
-            # a new epoch reshuffles; a resumed run skips the samples it has already seen
-            sampler.set_epoch(epoch, start=step_in_epoch * micro_batch * cfg.grad_accum)
-            # a thread reads each step's micro-batches onto the device while the step before runs
-            batches = read_ahead.ReadAhead(loader, cfg.grad_accum, device,
-                                           steps=min(steps_per_epoch - step_in_epoch, last_step - step))
+            if cfg.stream:  # one feed for the whole run: each rank's sub-streams, read ahead from where they stand
+                batches = train_ds.read_ahead(rank, world_size, device)
+            else:
+                # a new epoch reshuffles; a resumed run skips the samples it has already seen
+                sampler.set_epoch(epoch, start=step_in_epoch * micro_batch * cfg.grad_accum)
+                # a thread reads each step's micro-batches onto the device while the step before runs
+                batches = read_ahead.ReadAhead(loader, cfg.grad_accum, device,
+                                               steps=min(steps_per_epoch - step_in_epoch, last_step - step))
         with speedometer.waiting():  # for data_wait_fraction
             micro_batches = next(batches)
         # Real (non-pad) targets in this whole optimizer step. Dividing each micro-batch's
@@ -118,6 +122,8 @@ def main():
         with speedometer.paused(saving or evaluating or profiler.writes_after(step)):
             if saving:
                 divergence.check_weights(step, raw_model)  # real jobs: on every rank, before saving
+                if cfg.stream:  # every rank's sub-stream positions, to rank 0 (a collective)
+                    train_ds.gather(batches, None)
             if saving and is_main:
                 writer.save(raw_model, optimizer,
                             checkpoint.run_state(raw_model, scheduler, cfg, step, train_ds, divergence))

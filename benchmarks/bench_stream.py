@@ -286,7 +286,7 @@ def map_style_bpe(path: str, vocab_size: int) -> dict:
         cfg = config.parse_args(["--dataset", path, "--vocab-size", str(vocab_size)])
         train_text, val_text, _ = run_data.load_text(cfg)
         loaded = time.perf_counter()
-        tokenizer = run_data.get_tokenizer(cfg, train_text, resuming=False)
+        tokenizer = data.train_tokenizer(train_text, cfg.vocab_size)  # as run_data.get_tokenizer trains it
         return {"held_out": len(val_text), "read_s": loaded - start, "bpe_s": time.perf_counter() - loaded,
                 "tokenizer": tokenizer.to_str()}
     finally:

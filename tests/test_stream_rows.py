@@ -215,8 +215,8 @@ def hostile(corpus: Corpus, rows: SubStreamRows, state: dict, packed: dict) -> l
         return {**state["cursor"], "epoch": epoch, "piece": 0, "row": 0, "dealt": sub_streams.fingerprint(0, epoch)}
     where = "sub-stream 0's rows in the checkpoint"
     cases = [
-        ([1, 2], f"{where} are not a sub-stream's state: it holds list, not cursor, window, packer, flushed"),
-        ({k: v for k, v in state.items() if k != "flushed"}, "it holds ['cursor', 'packer', 'window']"),
+        ([1, 2], f"{where} are not a sub-stream's state: it holds list, not cursor, window, packer, flushed, targets"),
+        ({k: v for k, v in state.items() if k != "flushed"}, "it holds ['cursor', 'packer', 'targets', 'window']"),
         ({**state, "window": True}, f"{where}: window is True, not a whole number from 0 to 2**63 - 1"),
         ({**state, "window": -1}, "window is -1, not"),
         ({**state, "flushed": 2**63}, "flushed is 9223372036854775808, not"),

@@ -27,6 +27,8 @@ def run_state(model, scheduler, cfg, step, train_ds, divergence) -> dict:
         "framing": data.framing(cfg.pack),  # how documents became rows: a resume needs the same rows
         "corpus": train_ds.corpus,  # what data the run trains on (corpus.fingerprint): a resume must match it
         "packing": train_ds.packing_fingerprint,  # --pack: which windows each row holds; a resume must find them
+        # --stream: what the run reads and where each sub-stream stands (gathered from the ranks)
+        "stream": train_ds.saved if cfg.stream else None,
         "highest_loss": list(divergence.highest),  # and its step: what stopping.Divergence has seen
         # Nothing in training draws random numbers after initialization (the data order comes
         # from seed + epoch), but saving the generators keeps any future dropout exact too.

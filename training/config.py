@@ -33,6 +33,7 @@ def flag(default, help, minimum=None, maximum=None, number=None, same_on_resume=
 
 
 PROFILE_DEFAULTS = {"profile_warmup": 3, "profile_steps": 2}
+DEFAULT_EPOCHS = 3
 PROFILE_MAX_STEPS = 10  # a trace's size, and the memory to read it, grow with every step it holds
 
 
@@ -82,7 +83,8 @@ class TrainConfig:
                                   minimum=1, same_on_resume=True, type=int)
     grad_accum: int = flag(1, "micro-batches per optimizer step", minimum=1)
     # optimization (the article's recipe: README.md)
-    epochs: int = flag(3, "passes over the training data", minimum=1, same_on_resume=True)
+    epochs: int | None = flag(None, f"passes over the training data (default: {DEFAULT_EPOCHS}; --stream reads its "
+                              "shards epoch after epoch until --max-steps)", minimum=1, same_on_resume=True, type=int)
     max_steps: int | None = flag(None, "optimizer steps (default: all epochs); also sets the LR schedule's length",
                                  minimum=1, same_on_resume=True, type=int)
     lr: float = flag(1e-3, "peak learning rate", number="positive", same_on_resume=True)
@@ -242,6 +244,7 @@ def validate(cfg: TrainConfig):
             raise UsageError(f"--{package} needs the {package} package: pip install {package}") from None
     corpus.check_dataset_flags(cfg.dataset, cfg.dataset_config, cfg.split)
     stream_run.check_flags(cfg)  # after the dataset's own checks: a missing one is said as such
+    cfg.epochs = cfg.epochs or DEFAULT_EPOCHS  # (a stream's sub-streams count theirs: --max-steps ends it)
     run_folder.check_writable(cfg.out_dir)
     dataset = Path(cfg.dataset).expanduser()
     inside = dataset.is_dir() and Path(cfg.out_dir).resolve().is_relative_to(dataset.resolve())

@@ -26,6 +26,12 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def ranks_on_this_node() -> int:
+    """The processes of the job on this machine, which share its cores and memory: torchrun's
+    LOCAL_WORLD_SIZE, in torchrun's workers only (a stray one in a plain `python` run is not ranks)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if "TORCHELASTIC_RUN_ID" in os.environ else 1
+
+
 # What torchrun (or a job script launching by hand) tells each process, as whole numbers
 LAUNCH_NUMBERS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT")
 

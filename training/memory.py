@@ -45,6 +45,7 @@ import torch
 
 from model import PRESETS, LlamaConfig, LlamaForPretraining
 from ops import chunked_loss, packed_attention
+from training import launch
 from training.config import TrainConfig
 from training.errors import UsageError, warn
 
@@ -166,8 +167,7 @@ def device_memory(device: torch.device) -> tuple[int, int]:
         pass  # not Linux: the whole memory counts as available
     for limit, used in cgroup_limits():
         total, available = min(total, limit), min(available, max(0, limit - used))
-    # torchrun's workers only: a stray LOCAL_WORLD_SIZE in a plain `python` run is not ranks
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if "TORCHELASTIC_RUN_ID" in os.environ else 1
+    ranks_here = launch.ranks_on_this_node()
     return total // ranks_here, available // ranks_here
 
 

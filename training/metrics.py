@@ -367,10 +367,16 @@ def describe(model: LlamaForPretraining, train_ds, steps_per_epoch: int, total_s
     ranks = f" x {torch.distributed.get_world_size()} ranks" if ddp else ""
     backend = f" ({torch.distributed.get_backend()})" if ddp else ""
     facts = train_ds.facts
-    packed = f", packed into {facts['rows']:,} rows" if cfg.pack else ""
-    return (f"{model.num_parameters() / 1e6:.1f}M parameters | {facts['documents']:,} documents: all their "
-            f"{facts['tokens_per_epoch']:,} tokens an epoch, in {facts['windows']:,} windows of {cfg.seq_len}{packed} "
-            f"({facts['padding']:.1%} padding) | {steps_per_epoch} steps per epoch | {total_steps} steps | "
+    if cfg.stream:  # read as training goes: what an epoch holds is not known before
+        what = (f"streamed: {facts['shards']:,} shards ({facts['shard_bytes'] / 1e6:,.1f} MB) in {facts['pieces']:,} "
+                f"pieces, dealt into {facts['sub_streams']} sub-streams, {facts['held_out']:,} documents held out"
+                f"{', packed online' if cfg.pack else ''}")
+    else:
+        packed = f", packed into {facts['rows']:,} rows" if cfg.pack else ""
+        what = (f"{facts['documents']:,} documents: all their {facts['tokens_per_epoch']:,} tokens an epoch, in "
+                f"{facts['windows']:,} windows of {cfg.seq_len}{packed} ({facts['padding']:.1%} padding) | "
+                f"{steps_per_epoch} steps per epoch")
+    return (f"{model.num_parameters() / 1e6:.1f}M parameters | {what} | {total_steps} steps | "
             f"{micro_batch} {'rows' if cfg.pack else 'sequences'} x {cfg.grad_accum} micro-steps per step{ranks} "
             f"| device {device}{backend} "
             f"| {usable_cores()} usable CPU cores | {dtype}{' | compiled' if cfg.compile else ''}"

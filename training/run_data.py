@@ -13,27 +13,40 @@ from training import build, corpus, packing, resume, run_folder
 from training.config import TrainConfig
 from training.errors import UsageError, is_rank0, warn
 from training.run_folder import TOKENIZER
+from training.stream import dataset as stream_dataset
+from training.stream import run as stream_run
 from training.turns import OneProcess
 
 
 def prepare(cfg: TrainConfig, turns=OneProcess(), sharded: bool = False, model_fits=None):
     """The checkpoint to resume from (None for a new run), the tokenizer, and the training
-    and held-out datasets. Tokenized once: `datasets` caches the result on disk. sharded:
-    the run's checkpoints are train_fsdp.py's. model_fits (a memory.Check): called with the
-    vocabulary size, as soon as it is known."""
-    if cfg.stream:  # parsed and checked (training/stream/run.py), not yet trained on: never map-style in its place
-        raise UsageError("--stream is not wired into the training scripts yet: leave it out to train map-style")
+    and held-out datasets. Tokenized once: `datasets` caches the result on disk. With --stream,
+    nothing is tokenized here: the training dataset is a StreamedDataset, read as training goes
+    (training/stream/dataset.py). sharded: the run's checkpoints are
+    train_fsdp.py's. model_fits (a memory.Check): called with the vocabulary size, as soon as it is known."""
     resuming = turns.everywhere(lambda: resume.resuming(cfg.out_dir, cfg.resume))  # refuses to overwrite a run
     ckpt = turns.everywhere(lambda: resume.load_run(cfg.out_dir, sharded)) if resuming else None
-    train_text, val_text, fingerprint = load_text(cfg, ckpt, turns)
+    if ckpt is not None:  # a streamed run resumes streamed, a map-style one map-style: before any reading
+        turns.everywhere(lambda: stream_run.check_same_mode(ckpt, cfg.stream))
+    if cfg.stream:  # the shards listed, the first documents held out; the rest read as training goes
+        stream = turns.everywhere(lambda: stream_dataset.Corpus(cfg, ckpt, turns))
+        val_text, train_bpe = stream.val_texts(), stream.train_tokenizer
+    else:
+        train_text, val_text, fingerprint = load_text(cfg, ckpt, turns)
+        train_bpe = lambda: data.train_tokenizer(train_text, cfg.vocab_size)  # noqa: E731
     # one tokenizer for the whole job: rank 0 trains (or loads) it and sends it to all
-    tokenizer = Tokenizer.from_str(turns.from_rank0(lambda: get_tokenizer(cfg, train_text, resuming).to_str()))
+    tokenizer = Tokenizer.from_str(turns.from_rank0(lambda: get_tokenizer(cfg, train_bpe, resuming).to_str()))
     if model_fits:  # a model too big for the device is refused before tokenizing, and before anything is written
         turns.everywhere(lambda: model_fits(tokenizer.get_vocab_size()))
     if cfg.init_from:  # so is a model that --init-from's weights do not fit
         turns.everywhere(lambda: build.check_init_from(cfg, tokenizer.get_vocab_size()))
-    train_ds, val_ds = turns.local_rank0_first(lambda: make_datasets(cfg, tokenizer, train_text, val_text, fingerprint))
-    if ckpt is not None:
+    if cfg.stream:
+        train_ds = turns.everywhere(lambda: stream.dataset(tokenizer))  # a resume: what its checkpoint read
+        val_ds = turns.local_rank0_first(lambda: make_dataset(cfg, tokenizer, val_text, text_bytes=True))
+    else:
+        train_ds, val_ds = turns.local_rank0_first(lambda: make_datasets(cfg, tokenizer, train_text, val_text,
+                                                                         fingerprint))
+    if ckpt is not None and not cfg.stream:
         turns.everywhere(lambda: check_same_packing(ckpt, cfg, train_ds))
     turns.everywhere(lambda: claim_out_dir(cfg, ckpt))  # only now: a refused run creates nothing
     return ckpt, tokenizer, train_ds, val_ds
@@ -103,8 +116,9 @@ def check_same_packing(ckpt: dict, cfg: TrainConfig, train_ds):
                          "same `datasets` cache), or start a new run")
 
 
-def get_tokenizer(cfg: TrainConfig, train_text, resuming: bool) -> Tokenizer:
-    """The run's own tokenizer on resume, else --tokenizer, else a BPE trained on train_text."""
+def get_tokenizer(cfg: TrainConfig, train_bpe, resuming: bool) -> Tokenizer:
+    """The run's own tokenizer on resume, else --tokenizer, else train_bpe(): a BPE trained on
+    the training documents."""
     if resuming:
         out = Path(cfg.out_dir)
         tokenizer = data.load_tokenizer(out / TOKENIZER)
@@ -114,22 +128,27 @@ def get_tokenizer(cfg: TrainConfig, train_text, resuming: bool) -> Tokenizer:
         return tokenizer
     if cfg.tokenizer:
         return data.load_tokenizer(cfg.tokenizer)
-    return data.train_tokenizer(train_text, cfg.vocab_size)
+    return train_bpe()
+
+
+def make_dataset(cfg: TrainConfig, tokenizer: Tokenizer, texts, text_bytes: bool = False, **facts):
+    """Every document's windows, one a row, or with --pack several a row (held-out ones too, so
+    that evaluation costs what training does). text_bytes: count their text's UTF-8 bytes, for
+    bits per byte."""
+    pad_id = tokenizer.token_to_id(data.PAD)
+    if text_bytes:
+        facts["text_bytes"] = corpus.text_bytes(texts)
+    windows = data.tokenize(texts, tokenizer, cfg.seq_len)
+    if cfg.pack:
+        return packing.PackedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts,
+                                             packing=packing.pack(windows, cfg.seq_len, cfg.seed))
+    return data.PaddedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts)
 
 
 def make_datasets(cfg: TrainConfig, tokenizer: Tokenizer, train_text, val_text, fingerprint: dict | None = None):
-    """The training and held-out datasets: every document's windows, one a row, or with --pack
-    several a row (the held-out ones too, so that evaluation costs what training does)."""
-    pad_id = tokenizer.token_to_id(data.PAD)
-
-    def dataset(texts, **facts):
-        windows = data.tokenize(texts, tokenizer, cfg.seq_len)
-        if cfg.pack:
-            return packing.PackedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts,
-                                                 packing=packing.pack(windows, cfg.seq_len, cfg.seed))
-        return data.PaddedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts)
-    train = dataset(train_text, corpus=fingerprint)
-    val = dataset(val_text, text_bytes=corpus.text_bytes(val_text))
+    """The training and held-out datasets (make_dataset)."""
+    train = make_dataset(cfg, tokenizer, train_text, corpus=fingerprint)
+    val = make_dataset(cfg, tokenizer, val_text, text_bytes=True)
     if len(train) < cfg.batch_size:  # not one step's worth
         raise UsageError(f"dataset has {len(train)} training rows of --seq-len {cfg.seq_len} (from "
                          f"{len(train_text)} documents), fewer than one --batch-size of {cfg.batch_size}")

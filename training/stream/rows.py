@@ -27,6 +27,7 @@ import data
 from training.errors import UsageError
 from training.stream import order
 from training.stream.order import LIMIT, Cursor, SubStreams
+from model import IGNORE_INDEX
 from training.stream.packer import OPEN_ROWS, OnlinePacker, row_tensors
 
 
@@ -53,8 +54,9 @@ class SubStreamRows(Iterator[tuple[torch.Tensor, ...]]):
         self.cursor = Cursor(sub_streams, stream)  # where reading stands: past the document in progress
         self._start(self.cursor, OnlinePacker(seq_len, open_rows) if pack else None)
 
-    def _start(self, cursor: Cursor, packer: OnlinePacker | None, flushed: int = 0) -> None:
+    def _start(self, cursor: Cursor, packer: OnlinePacker | None, flushed: int = 0, targets: int = 0) -> None:
         self.cursor, self.packer = cursor, packer
+        self._targets = targets  # real targets in the rows handed out since epoch 0: a run's tokens_seen
         self._at = Cursor(cursor.sub_streams, cursor.stream)  # where the document in progress was read from
         self._documents = order.documents(cursor, self.read, self.epochs)
         self._windows, self._window = [], 0  # the document in progress's windows, and the next one's index
@@ -76,6 +78,11 @@ class SubStreamRows(Iterator[tuple[torch.Tensor, ...]]):
         return data.document_windows(text, self.tokenizer, self.seq_len, self.exact_cuts)
 
     def __next__(self) -> tuple[torch.Tensor, ...]:
+        row = self._next_row()
+        self._targets += int((row[1] != IGNORE_INDEX).sum())
+        return row
+
+    def _next_row(self) -> tuple[torch.Tensor, ...]:
         if self.packer is None:
             window = self._next_window()
             if window is None:
@@ -101,11 +108,12 @@ class SubStreamRows(Iterator[tuple[torch.Tensor, ...]]):
         next document where none is; "window": the index of that document's next window (0 where
         none is in progress); "packer": the OnlinePacker's state_dict (None for padded rows), at
         the stream's end its state before its flush; "flushed": the rows of that flush handed
-        out}. Ints, strs and the packer's tensor of tokens: torch.load(weights_only=True) reads it."""
+        out; "targets": the real (non-pad) targets of every row handed out, for the run's count}. Ints, strs and the packer's tensor of tokens: torch.load(weights_only=True) reads it."""
         in_progress = self._window < len(self._windows)
         packer = None if self.packer is None else self._flush[0] if self._flush else self.packer.state_dict()
         return {"cursor": (self._at if in_progress else self.cursor).state_dict(),
-                "window": self._window if in_progress else 0, "packer": packer, "flushed": self._flushed}
+                "window": self._window if in_progress else 0, "packer": packer, "flushed": self._flushed,
+                "targets": self._targets}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a state_dict() of this sub-stream, in a run of the same corpus, seed,
@@ -113,11 +121,11 @@ class SubStreamRows(Iterator[tuple[torch.Tensor, ...]]):
         checkpoint may be hostile or stale): anything wrong is one UsageError naming what, and
         leaves this object as it was. The document in progress is read and tokenized again."""
         where = f"sub-stream {self.cursor.stream}'s rows in the checkpoint"
-        keys = ("cursor", "window", "packer", "flushed")
+        keys = ("cursor", "window", "packer", "flushed", "targets")
         if not isinstance(state, dict) or set(state) != set(keys):
             got = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
             raise UsageError(f"{where} are not a sub-stream's state: it holds {got}, not {', '.join(keys)}")
-        for key in ("window", "flushed"):
+        for key in ("window", "flushed", "targets"):
             if type(state[key]) is not int or not 0 <= state[key] < LIMIT:  # type(): a bool is no index
                 raise UsageError(f"{where}: {key} is {state[key]!r}, not a whole number from 0 to 2**63 - 1")
         if (state["packer"] is None) != (self.packer is None):
@@ -139,7 +147,7 @@ class SubStreamRows(Iterator[tuple[torch.Tensor, ...]]):
                              f"in epoch {cursor.epoch} of {self.epochs} (a packer flushes after the last)")
         kept = dict(vars(self))
         try:
-            self._start(cursor, packer, flushed)
+            self._start(cursor, packer, flushed, state["targets"])
             if window and self._next_window() is None:  # the document in progress, read and cut again
                 raise UsageError(f"{where}: window {window} of a document in progress, and no document is left "
                                  f"from row {self._at.row} of piece {self._at.piece} of epoch {self._at.epoch} on")

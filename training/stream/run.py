@@ -79,6 +79,12 @@ def check_flags(cfg) -> None:
                          "leave it out")
     if not cfg.stream:
         return
+    if cfg.max_steps is None:
+        raise UsageError("--stream needs --max-steps (the run's length and its learning rate schedule's): a stream's "
+                         "steps are not known before its shards are read")
+    if cfg.epochs is not None:
+        raise UsageError("--epochs counts passes over a corpus tokenized before the run; --stream reads its shards "
+                         "epoch after epoch until --max-steps: leave --epochs out")
     if cfg.sub_streams is not None and cfg.batch_size % cfg.sub_streams:
         raise UsageError(f"--sub-streams {cfg.sub_streams} does not divide --batch-size {cfg.batch_size}: each step "
                          "takes as many rows from every sub-stream")
@@ -100,7 +106,7 @@ def sub_streams(cfg, world_size: int, piece_sizes: list[int], recorded: dict | N
     world size divides --batch-size). A world size that does not divide S is one line naming
     those that do (order.owned); more sub-streams than pieces with data, one line (order.deal)."""
     if recorded is not None and cfg.sub_streams is None:
-        streams = _checked(recorded, "the checkpoint")["sub_streams"]
+        streams = checked_record(recorded)["sub_streams"]
     elif cfg.sub_streams is not None:
         streams = cfg.sub_streams
     else:
@@ -140,7 +146,7 @@ KINDS = {"shards": (lambda v: isinstance(v, list), "a list of shards"),
          "tokenizer": (lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{32}", v), "a tokenizer's fingerprint")}
 
 
-def _checked(recorded, source: str) -> dict:
+def checked_record(recorded, source: str = "the checkpoint") -> dict:
     """A record as a checkpoint holds it, each field of the kind record() writes: one line
     naming the field otherwise (the checkpoint may be hostile, or of another version)."""
     where = f"{source}'s stream record"
@@ -167,7 +173,7 @@ def check_resume(recorded: dict | None, now: dict | None, source: str = "the che
             raise UsageError(f"{source} was trained {was} --stream: resume {was} it (its data position counts "
                              f"{'rows of a stream' if recorded is not None else 'rows of the tokenized corpus'})")
         return
-    was = _checked(recorded, source)
+    was = checked_record(recorded, source)
     what = shards.changed(was["shards"], [shards.Shard.from_dict(d) for d in now["shards"]])
     if what:
         raise UsageError(f"{source} was trained on other shards: {what}. Resume with the shards it read, or start "
@@ -191,6 +197,13 @@ def check_resume(recorded: dict | None, now: dict | None, source: str = "the che
     if was["tokenizer"] != now["tokenizer"]:
         raise UsageError(f"{source} read its rows with another tokenizer (its ids stand for other tokens): resume "
                          "with the run's own tokenizer.json")
+
+
+def check_same_mode(ckpt: dict, streaming: bool) -> None:
+    """A checkpoint of a streamed run resumes with --stream, one of a map-style run without it:
+    one line otherwise (check_resume's), before any data is read."""
+    if (ckpt.get("stream") is None) == streaming:
+        check_resume(ckpt.get("stream"), {} if streaming else None, ckpt["path"])
 
 
 def gather_states(feed, group=None) -> dict[int, dict] | None:

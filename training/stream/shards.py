@@ -157,6 +157,17 @@ def corpus_pieces(found: list[Shard]) -> list[tuple[Shard, int]]:
     return [(shard, piece) for shard in found for piece in range(len(shard.pieces))]
 
 
+def piece_sizes(found: list[Shard]) -> list[int]:
+    """The size of each of the corpus's pieces (numbered as corpus_pieces numbers them) in one
+    unit, for order.deal: rows where every piece counts its rows (parquet row groups); else
+    bytes, a parquet row group's its share of its file by rows (a JSON Lines file is one piece
+    of unknown rows: only its bytes say how much it holds)."""
+    if all(rows is not None for shard in found for rows in shard.pieces):
+        return [rows for shard in found for rows in shard.pieces]
+    return [shard.size if rows is None else shard.size * rows // max(sum(shard.pieces), 1)
+            for shard in found for rows in shard.pieces]
+
+
 def reader(source: str, found: list[Shard], text_column: str) -> Callable[[int, int], Iterator[tuple[int, str]]]:
     """read(piece, start_row) for order.documents: read_documents of the corpus's piece `piece`
     (numbered as corpus_pieces numbers them)."""
