@@ -14,6 +14,7 @@ LESSON = {"train_dp.py", "train_ddp.py", "train_fsdp.py", "model.py", "data.py"}
 TOP_LEVEL = LESSON | {"README.md", "requirements.txt", "requirements-dev.txt", "pytest.ini", ".gitignore", ".ci",
                       "ops", "training", "tools", "benchmarks", "tests", "docs", "slurm"}
 FOLDERS = ("ops", "training", "tools", "benchmarks")
+SUBFOLDERS = ("training/stream",)  # a package within a folder: its files listed under it
 
 
 def tracked_top_level() -> set:
@@ -117,16 +118,18 @@ def test_the_readme_tree_has_a_line_for_every_file():
     tree = readme[readme.index("## The files, in reading order"):]
     tree = tree[tree.index("```\n") + 4:]
     tree = tree[:tree.index("\n```")]
-    listed, folder = [], None
+    listed, folders = [], []  # folders: the path of each indentation level's folder, two spaces a level
     for line in tree.splitlines():
         entry, _, purpose = line.strip().partition(" ")
         assert purpose.strip(), f"no purpose given for {entry}"
-        if not line.startswith(" "):
-            folder = entry.rstrip("/") if entry.endswith("/") else None
-            listed.append(entry)
-        else:
-            listed.append(f"{folder}/{entry}")
-    for folder in FOLDERS:
+        depth = (len(line) - len(line.lstrip())) // 2
+        del folders[depth:]
+        listed.append("/".join([*folders, entry.rstrip("/")]))
+        if entry.endswith("/"):
+            folders.append(entry.rstrip("/"))
+    for folder in [*FOLDERS, *SUBFOLDERS]:
         on_disk = {f"{folder}/{path.name}" for path in (REPO / folder).glob("*.py") if path.name != "__init__.py"}
-        assert on_disk == {entry for entry in listed if entry.startswith(f"{folder}/") and entry.endswith(".py")}
+        listed_here = {entry for entry in listed if entry.startswith(f"{folder}/") and entry.endswith(".py")
+                       and "/" not in entry[len(folder) + 1:]}
+        assert on_disk == listed_here, folder
     assert LESSON <= set(listed)

@@ -29,7 +29,7 @@ def prepare(cfg: TrainConfig, turns=OneProcess(), sharded: bool = False, model_f
     if ckpt is not None:  # a streamed run resumes streamed, a map-style one map-style: before any reading
         turns.everywhere(lambda: stream_run.check_same_mode(ckpt, cfg.stream))
     if cfg.stream:  # the shards listed, the first documents held out; the rest read as training goes
-        stream = turns.everywhere(lambda: stream_dataset.Corpus(cfg, ckpt, turns))
+        stream = stream_dataset.Corpus(cfg, ckpt, turns)  # (its reads are rank 0's, sent to all: from_rank0)
         val_text, train_bpe = stream.val_texts(), stream.train_tokenizer
     else:
         train_text, val_text, fingerprint = load_text(cfg, ckpt, turns)
