@@ -100,11 +100,17 @@ class StreamFeed(Iterator[list[tuple[torch.Tensor, ...]]]):
             rows.load_state_dict(state)
         return rows
 
+    def start(self) -> None:
+        """Start the workers now, in the calling thread (read_ahead: the main one), not at the
+        first next() (ReadAhead's thread): a process forked while another of its threads runs
+        holds, in the child, whatever locks that thread held (an allocator's, OpenMP's)."""
+        if self._items is None and not self._ended:
+            self._items = iter(self._loader())
+
     def __next__(self) -> list[tuple[torch.Tensor, ...]]:
         if self._ended:
             raise StopIteration
-        if self._items is None:
-            self._items = iter(self._loader())
+        self.start()
         parts, states = [], {}
         for _ in range(max(self.workers, 1)):  # one item of each worker, in turn
             step, item = next(self._items)
@@ -208,6 +214,7 @@ def read_ahead(feed: StreamFeed, device: torch.device) -> ReadAhead:
     """The feed's steps read one ahead onto the device while the step before runs (ReadAhead),
     until the feed ends; its state_dict() is the feed's after the step last handed to the loop,
     which is what a checkpoint saves (the feed itself stands a step or two ahead)."""
+    feed.start()
     return ReadAhead(itertools.chain.from_iterable(feed), feed.grad_accum, device, steps=None,
                      state_dict=feed.state_dict)
 
