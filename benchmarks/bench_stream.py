@@ -279,6 +279,7 @@ def offline(windows: list, seq_len: int) -> dict:
 
 def map_style_bpe(path: str, vocab_size: int) -> dict:
     """The BPE as the scripts train it today, from the file on."""
+    import data
     from benchmarks import bench_data
     from training import config, run_data
     cache, start = bench_data.fresh_cache(), time.perf_counter()

@@ -298,6 +298,34 @@ def test_two_runs_cannot_share_an_out_dir(runs, tmp_path, capsys):
     assert max_weight_diff(load_weights(runs("dp", "train_dp.py")), load_weights(out)) == 0.0
 
 
+def test_a_child_of_a_killed_run_does_not_keep_its_out_dir_locked(tmp_path):
+    """A run's forked children (--stream's DataLoader workers) may outlive it by seconds when it
+    is killed with kill -9: they must not hold --out-dir's lock, or the restarted run would be
+    refused as "another run". Here the run forks a child that lives on, and is killed."""
+    import select
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; from training import run_folder; "
+                               f"run_folder.lock_out_dir({str(out)!r}); child = os.fork()\n"
+                               "if child == 0: time.sleep(600); os._exit(0)\n"
+                               "print(child, flush=True); sys.stdin.read()"],
+                              cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        ready, _, _ = select.select([holder.stdout], [], [], 60)  # a bounded wait for the holder
+        assert ready
+        child = int(holder.stdout.readline())
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+        os.kill(child, 0)  # the child lives on
+        lock = f"from training import run_folder; run_folder.lock_out_dir({str(out)!r})"
+        again = subprocess.run([sys.executable, "-c", lock], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert again.returncode == 0, again.stderr  # and the folder is free: not "another run is using"
+    finally:
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
+        holder.kill()
+
+
 # ---- torn writes ------------------------------------------------------------------------
 
 class Crash(Exception):

@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 import data
 from benchmarks import bench_stream
-from conftest import script_in_process
 from test_stream_holdout import SHARDS
 from test_stream_loader import STREAMS, equal, expected_batches, feed_of, global_batch, local_rows, same_steps
 from test_stream_rows import corpus, small_pieces, through_a_checkpoint, tokenizer  # noqa: F401
@@ -307,13 +306,3 @@ def test_bench_stream_measures_the_states_a_checkpoint_holds_at_toy_size(tmp_pat
     assert row["tokens_mb"] < row["saved_mb"] < row["tokens_mb"] + 0.01 and row["gather_ms"] > 0
     assert "the states a checkpoint holds" in capsys.readouterr().out
 
-
-def test_a_script_given_stream_refuses_it_in_one_line_until_the_scripts_stream(folder, tmp_path, capsys):
-    """--stream parses, and no script trains on it yet: one line, exit 2, nothing written; never a map-style run of
-    the same folder in its place."""
-    out = tmp_path / "out"
-    args = ["--stream", "--dataset", str(folder), "--out-dir", str(out), "--model", "debug", "--max-steps", "1"]
-    assert script_in_process("train_dp.py", args) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: --stream is not wired into the training scripts yet: leave it out to train map-style"]
-    assert not out.exists()

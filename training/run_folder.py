@@ -52,6 +52,19 @@ def sharded_checkpoints(out: Path) -> list[Path]:
 _LOCKS = []  # open descriptors of the output folders this process holds, until it exits
 
 
+def _forget_locks():
+    """In a child forked by this process (a DataLoader worker, a tokenizing process): close its
+    copies of the lock descriptors. The lock stays the parent's (an flock belongs to the open
+    file, which the parent still holds), but a child that outlives a parent killed with kill -9
+    (a worker notices within seconds) no longer keeps the folder locked against the resume."""
+    for fd in _LOCKS:
+        os.close(fd)
+    _LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_locks)
+
+
 def lock_out_dir(out_dir: str):
     """Hold an exclusive lock on the output folder for the rest of this process's life: an
     flock on the folder itself, which the kernel releases when the process dies, however it

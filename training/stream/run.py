@@ -37,19 +37,11 @@ packed sub-streams, 128 rows open each, 2 ranks): 1.98 / 4.02 / 8.22 MB in the c
 --seq-len 512 / 1024 / 2048, each rank sending half, gathered in 7 / 11 / 17 ms (gloo ranks as
 threads of one process, on a shared 2-core machine).
 
-How the scripts will call this (the wiring, still to come):
-- config.parse_args: check_flags (done: config.validate calls it).
-- run_data.prepare, with --stream: found = shards.find_shards(cfg.dataset, cfg.text_column); on
-  a resume, `recorded` is the checkpoint's record, and --val-docs, where not given, its count;
-  holdout.validation_documents gives the held-out texts and the HeldOut; cfg.sub_streams =
-  sub_streams(cfg, world_size, held_out.training_sizes(the pieces' sizes), recorded), so that
-  the checkpoint's train_config holds it; the tokenizer; now = record(cfg, found, held_out,
-  cfg.sub_streams, tokenizer); check_resume(recorded, now, ckpt["path"]) on every rank, before
-  claim_out_dir: a refused resume writes nothing.
-- The loop: feed = loader.StreamFeed(...); on a resume feed.load_state_dict(owned_states(the
-  checkpoint's states, cfg.sub_streams, world_size, rank)); batches = loader.read_ahead(feed, device).
-- Saving: every rank calls gather_states(batches, control) (a collective: before rank 0's
-  `if saving and is_main`), and rank 0's run_state holds {"record": now, "states": its result}.
+How the scripts use it: config.validate calls check_flags; dataset.Corpus (run_data.prepare)
+calls sub_streams and, on a resume, check_resume before anything is written; before each save
+every rank calls StreamedDataset.gather (gather_states, a collective), and rank 0's
+checkpoint.run_state saves {"record": record(...), "states": ...}; a resumed rank loads
+owned_states of them into its feed.
 """
 
 import re
