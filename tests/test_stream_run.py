@@ -126,7 +126,7 @@ def test_a_hostile_record_is_one_line_naming_what_is_wrong(folder, tmp_path, tok
     fields = ", ".join(run.FIELDS)
     cases = [
         ([good], f"ckpt.pt's stream record holds list, not {fields}: it is damaged"),
-        ({k: v for k, v in good.items() if k != "seed"}, "ckpt.pt's stream record holds ['held_out', 'pack'"),
+        ({k: v for k, v in good.items() if k != "seed"}, "ckpt.pt's stream record holds ['held_out', 'hub', 'pack'"),
         ({**good, "extra": 1}, "holds ['extra', 'held_out'"),
         ({**good, 3: 1}, "holds ['3', 'held_out'"),
         ({**good, "sub_streams": "2"}, "ckpt.pt's stream record: sub_streams is '2', not a whole number of at least 1"),
@@ -168,10 +168,8 @@ def test_the_flags_parse_and_are_refused_where_they_cannot_work(folder, tmp_path
                                                                        "16: each step takes as many rows from every"),
         (["--stream", "--dataset", str(folder), "--sub-streams", "32"], "--sub-streams 32 does not divide"),
         (["--stream", "--dataset", str(folder), "--sub-streams", "0"], "--sub-streams must be at least 1, got 0"),
-        (["--stream"], "--stream reads a folder or file of shards (.parquet/.jsonl/.jsonl.gz/.jsonl.zst), and the "
-                       "embedded corpus (stdlib) is none"),
-        (["--stream", "--dataset", "HuggingFaceFW/fineweb"], "--stream does not read Hub datasets yet "
-                                                            "(HuggingFaceFW/fineweb)"),
+        (["--stream"], "--stream reads a folder or file of shards (.parquet/.jsonl/.jsonl.gz/.jsonl.zst) or a Hub "
+                       "dataset's, and the embedded corpus (stdlib) is none"),
         (["--stream", "--dataset", str(tmp_path / "notes.txt")], "--stream reads .parquet/.jsonl/.jsonl.gz/.jsonl.zst "
                                                                  "shards, not"),
         (["--stream", "--dataset", str(tmp_path / "missing")], "dataset file or folder not found"),

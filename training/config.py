@@ -50,7 +50,8 @@ class TrainConfig:
     text_column: str = flag("text", "column that holds the documents")
     val_docs: int | None = flag(None, "documents held out for validation (default: 1%%, at most 1000)", minimum=1,
                                 same_on_resume=True, type=int)
-    stream: bool = flag(False, "read --dataset's shards (a folder or file of .parquet/.jsonl/.jsonl.gz/.jsonl.zst) "
+    stream: bool = flag(False, "read --dataset's shards (a folder or file of .parquet/.jsonl/.jsonl.gz/.jsonl.zst, "
+                        "or a Hub dataset's such files, at the commit the run starts at, which its resumes read) "
                         "as training goes, each rank its own sub-streams, tokenized (and with --pack packed) on "
                         "the fly: nothing prepared before the first step, and a resume exact at any world size "
                         "that divides --sub-streams")

@@ -191,7 +191,7 @@ def load_corpus(dataset: str, dataset_config: str | None = None, split: str | No
         ds = datasets.concatenate_datasets(parts)
     else:
         try:
-            with _reported_by_us():
+            with reported_by_us():
                 ds = datasets.load_dataset(dataset, dataset_config, split=split or "train")
         except Exception as e:  # offline, unknown id, bad config or split
             raise UsageError(f"cannot load Hub dataset {dataset!r}: {first_line(e)}") from None
@@ -231,7 +231,7 @@ def _load_files(builder: str, data_files: list[str], dataset: str) -> datasets.D
     up to the first that fails, which the one line names, with the line of a JSON Lines file
     that does not parse (_bad_json_line)."""
     def load(files):
-        with _reported_by_us():
+        with reported_by_us():
             return datasets.load_dataset(builder, data_files=files, split="train", **BUILDER_OPTIONS.get(builder, {}))
     try:
         return load(data_files)
@@ -297,7 +297,7 @@ def _text_column(ds: datasets.Dataset, column: str, name: str) -> datasets.Datas
 
 
 @contextlib.contextmanager
-def _reported_by_us():
+def reported_by_us():
     """`datasets` logs some errors (with tracebacks) before raising them. We report each as
     one line ourselves, so its error log is silenced while it loads."""
     level = datasets.logging.get_verbosity()

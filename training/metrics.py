@@ -368,9 +368,10 @@ def describe(model: LlamaForPretraining, train_ds, steps_per_epoch: int, total_s
     backend = f" ({torch.distributed.get_backend()})" if ddp else ""
     facts = train_ds.facts
     if cfg.stream:  # read as training goes: what an epoch holds is not known before
-        what = (f"streamed: {facts['shards']:,} shards ({facts['shard_bytes'] / 1e6:,.1f} MB) in {facts['pieces']:,} "
-                f"pieces, dealt into {facts['sub_streams']} sub-streams, {facts['held_out']:,} documents held out"
-                f"{', packed online' if cfg.pack else ''}")
+        source = f" from {train_ds.hub}" if train_ds.hub else ""  # a Hub dataset, at its commit
+        what = (f"streamed{source}: {facts['shards']:,} shards ({facts['shard_bytes'] / 1e6:,.1f} MB) in "
+                f"{facts['pieces']:,} pieces, dealt into {facts['sub_streams']} sub-streams, {facts['held_out']:,} "
+                f"documents held out{', packed online' if cfg.pack else ''}")
     else:
         packed = f", packed into {facts['rows']:,} rows" if cfg.pack else ""
         what = (f"{facts['documents']:,} documents: all their {facts['tokens_per_epoch']:,} tokens an epoch, in "

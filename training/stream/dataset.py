@@ -18,26 +18,31 @@ What the scripts ask of a training dataset, and what a stream answers:
 import datasets
 import torch.distributed as dist
 
-from training import launch
+from training import corpus, launch
 from training.errors import UsageError
 from training.read_ahead import ReadAhead
 from training.stream import holdout, loader, run, shards
 from training.stream.holdout import HeldOut
+from training.stream.hub import HubSource, hub_source
 from training.stream.order import LIMIT, SubStreams
 
 
 class Corpus:
-    """A streamed run's corpus before its tokenizer is known: the shards (listed by rank 0 and
-    sent to all, so that every rank deals the same pieces), the held-out documents (the corpus's
-    first --val-docs, or the checkpoint's count on a resume without the flag), and the sub-stream
-    count S (run.sub_streams). `saved` is the checkpoint's (record, states), checked for kind."""
+    """A streamed run's corpus before its tokenizer is known: its source (--dataset's folder or
+    file, or a Hub dataset's files at a commit: the checkpoint's on a resume, hub.py), the
+    shards (listed by rank 0 and sent to all, so that every rank deals the same pieces), the
+    held-out documents (the corpus's first --val-docs, or the checkpoint's count on a resume
+    without the flag), and the sub-stream count S (run.sub_streams). `saved` is the
+    checkpoint's (record, states), checked for kind."""
 
     def __init__(self, cfg, ckpt: dict | None, turns):
         self.cfg = cfg
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.saved = saved(ckpt)
         recorded = run.checked_record(self.saved[0]) if self.saved else None
-        listed = turns.from_rank0(lambda: [s.to_dict() for s in shards.find_shards(cfg.dataset, cfg.text_column)])
+        self.source = cfg.dataset if corpus.looks_local(cfg.dataset) else turns.from_rank0(
+            lambda: hub_source(cfg.dataset, cfg.dataset_config, cfg.split, recorded["hub"] if recorded else None))
+        listed = turns.from_rank0(lambda: [s.to_dict() for s in shards.find_shards(self.source, cfg.text_column)])
         self.shards = [shards.Shard.from_dict(d) for d in listed]
         if cfg.val_docs is None and recorded is not None:  # the run's own count: --val-docs was left out
             cfg.val_docs = recorded["held_out"]["count"]
@@ -48,7 +53,7 @@ class Corpus:
         cfg.sub_streams = run.sub_streams(cfg, world_size, self.sizes, recorded)  # recorded in train_config too
 
     def _held_out(self, count: int | None) -> tuple[list[str], dict]:
-        texts, held_out = holdout.validation_documents(self.cfg.dataset, self.shards, self.cfg.text_column, count)
+        texts, held_out = holdout.validation_documents(self.source, self.shards, self.cfg.text_column, count)
         return texts, held_out.to_dict()
 
     def val_texts(self) -> datasets.Dataset:
@@ -58,13 +63,14 @@ class Corpus:
 
     def train_tokenizer(self):
         """A run without --tokenizer: a BPE of the training documents from the stream's start."""
-        return holdout.train_stream_tokenizer(self.cfg.dataset, self.shards, self.cfg.text_column,
+        return holdout.train_stream_tokenizer(self.source, self.shards, self.cfg.text_column,
                                               self.cfg.vocab_size, self.held_out)
 
     def dataset(self, tokenizer) -> "StreamedDataset":
         """The training data, once the tokenizer is known: a resume must read what its checkpoint
         read (run.check_resume: one line naming the first change, nothing written)."""
-        record = run.record(self.cfg, self.shards, self.held_out, self.cfg.sub_streams, tokenizer)
+        pin = self.source.pin if isinstance(self.source, HubSource) else None
+        record = run.record(self.cfg, self.shards, self.held_out, self.cfg.sub_streams, tokenizer, pin)
         if self.saved:
             run.check_resume(self.saved[0], record, "the checkpoint")
         return StreamedDataset(self, tokenizer, record)
@@ -95,7 +101,7 @@ class StreamedDataset:
         cfg = source.cfg
         self.cfg, self.tokenizer, self.record = cfg, tokenizer, record
         self.sub_streams = SubStreams(source.sizes, cfg.sub_streams, cfg.seed)
-        self.read = holdout.skip_held_out(shards.reader(cfg.dataset, source.shards, cfg.text_column), source.held_out)
+        self.read = holdout.skip_held_out(shards.reader(source.source, source.shards, cfg.text_column), source.held_out)
         self.states = source.saved[1] if source.saved else None  # the checkpoint's, all S: each rank takes its own
         self._targets = 0
         if self.states is not None:
@@ -107,6 +113,7 @@ class StreamedDataset:
             self._targets = sum(counts)
         self.facts = {"shards": len(source.shards), "shard_bytes": sum(s.size for s in source.shards),
                       "pieces": len(source.sizes), "sub_streams": cfg.sub_streams, "held_out": source.held_out.count}
+        self.hub = str(source.source) if isinstance(source.source, HubSource) else None  # the start-up line's
         self.saved = None  # gather()'s, for the checkpoint being saved
 
     def __len__(self) -> int:

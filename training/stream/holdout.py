@@ -83,7 +83,7 @@ def in_shard_order(read: Read, pieces: int, first_piece: int = 0) -> Iterator[tu
             yield piece, row, text
 
 
-def validation_documents(source: str, found: list[shards.Shard], text_column: str,
+def validation_documents(source: shards.Source, found: list[shards.Shard], text_column: str,
                          count: int | None = None) -> tuple[list[str], HeldOut]:
     """The corpus's first `count` documents in shard order (None: --val-docs' rule, the corpus
     counted up to ENOUGH_TO_COUNT documents), and the HeldOut that says where training starts.
@@ -117,7 +117,7 @@ def skip_held_out(read: Read, held_out: HeldOut) -> Read:
     return training_read
 
 
-def training_documents(source: str, found: list[shards.Shard], text_column: str,
+def training_documents(source: shards.Source, found: list[shards.Shard], text_column: str,
                        held_out: HeldOut) -> Iterator[str]:
     """The training documents in shard order (not a run's order): the corpus less the held out."""
     read = skip_held_out(shards.reader(source, found, text_column), held_out)
@@ -125,7 +125,7 @@ def training_documents(source: str, found: list[shards.Shard], text_column: str,
         yield text
 
 
-def train_stream_tokenizer(source: str, found: list[shards.Shard], text_column: str, vocab_size: int,
+def train_stream_tokenizer(source: shards.Source, found: list[shards.Shard], text_column: str, vocab_size: int,
                            held_out: HeldOut, chars: int = data.TOKENIZER_TRAIN_CHARS) -> Tokenizer:
     """The BPE of a run without --tokenizer: data.train_tokenizer on the training documents in
     shard order, read lazily (an IterableDataset: no Arrow copy on disk) until its `chars`

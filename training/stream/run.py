@@ -3,11 +3,13 @@ must find again, or it is one line naming what changed), how many sub-streams it
 shards into (--sub-streams), and where those stand (the feed's states, every rank's gathered
 into the checkpoint, each rank of a resumed run given those it owns).
 
-The record: the shards (each one's name, size, digest and pieces: shards.Shard), the text
-column, the held-out set (holdout.HeldOut), the sub-stream count S, --seq-len, --pack, --seed
-and the tokenizer's fingerprint: what decides which rows each sub-stream yields, so that the
-states in a checkpoint mean, on resume, the rows they meant when saved. JSON-able: ints, strs,
-bools, lists and dicts. check_resume reads a record as it would a hostile file (it comes from
+The record: a Hub dataset's pin (hub.Pin: its id, config, split and commit, which a resume
+reads again; null for local shards, whose path is no part of what they are), the shards (each
+one's name, size, digest and pieces: shards.Shard), the text column, the held-out set
+(holdout.HeldOut), the sub-stream count S, --seq-len, --pack, --seed and the tokenizer's
+fingerprint: what decides which rows each sub-stream yields, so that the states in a checkpoint
+mean, on resume, the rows they meant when saved. JSON-able: ints, strs, bools, lists, dicts and
+nulls. check_resume reads a record as it would a hostile file (it comes from
 one): a field missing, added or of another type is one line, and so is the first thing that
 differs.
 
@@ -55,12 +57,13 @@ from training import corpus
 from training.errors import UsageError
 from training.stream import order, shards
 from training.stream.holdout import HeldOut
+from training.stream.hub import Pin
 from training.stream.order import LIMIT
 
 DEFAULT_SUB_STREAMS = 8  # the GPUs of a node: a run resumes at 1, 2, 4 or 8 ranks
 # The record's fields, in the order check_resume compares them: the data first, then the flags
 # that decide its rows (a changed corpus explains everything after it).
-FIELDS = ("shards", "text_column", "held_out", "sub_streams", "seq_len", "seed", "pack", "tokenizer")
+FIELDS = ("hub", "shards", "text_column", "held_out", "sub_streams", "seq_len", "seed", "pack", "tokenizer")
 
 
 def check_flags(cfg) -> None:
@@ -81,11 +84,11 @@ def check_flags(cfg) -> None:
         raise UsageError(f"--sub-streams {cfg.sub_streams} does not divide --batch-size {cfg.batch_size}: each step "
                          "takes as many rows from every sub-stream")
     if cfg.dataset == corpus.EMBEDDED_CORPUS:
-        raise UsageError(f"--stream reads a folder or file of shards ({shards.KNOWN_SHARDS}), and the embedded "
-                         f"corpus ({corpus.EMBEDDED_CORPUS}) is none: give --dataset, or leave --stream out")
-    if not corpus.looks_local(cfg.dataset):
-        raise UsageError(f"--stream does not read Hub datasets yet ({cfg.dataset}): download its parquet files and "
-                         "give their folder as --dataset, or leave --stream out")
+        raise UsageError(f"--stream reads a folder or file of shards ({shards.KNOWN_SHARDS}) or a Hub dataset's, and "
+                         f"the embedded corpus ({corpus.EMBEDDED_CORPUS}) is none: give --dataset, or leave --stream "
+                         "out")
+    if not corpus.looks_local(cfg.dataset):  # a Hub id: its files are listed, and checked, by hub.py
+        return
     if not Path(cfg.dataset).expanduser().is_dir() and shards.shard_kind(cfg.dataset) is None:
         raise UsageError(f"--stream reads {shards.KNOWN_SHARDS} shards, not {cfg.dataset}: convert it, or leave "
                          "--stream out")
@@ -114,21 +117,25 @@ def sub_streams(cfg, world_size: int, piece_sizes: list[int], recorded: dict | N
     return streams
 
 
-def record(cfg, found_shards: list[shards.Shard], held_out: HeldOut, streams: int, tokenizer: Tokenizer) -> dict:
-    """What the run reads, for its checkpoints: the shards, the held-out set and what decides
-    the rows (the module's docstring). Ints, strs, bools, lists and dicts."""
-    return {"shards": [shard.to_dict() for shard in found_shards], "text_column": cfg.text_column,
-            "held_out": held_out.to_dict(), "sub_streams": streams, "seq_len": cfg.seq_len, "seed": cfg.seed,
-            "pack": cfg.pack, "tokenizer": data.tokenizer_fingerprint(tokenizer)}
+def record(cfg, found_shards: list[shards.Shard], held_out: HeldOut, streams: int, tokenizer: Tokenizer,
+           pin: Pin | None = None) -> dict:
+    """What the run reads, for its checkpoints: the Hub dataset's pin where the shards are its
+    files, the shards, the held-out set and what decides the rows (the module's docstring).
+    Ints, strs, bools, lists, dicts and nulls."""
+    return {"hub": pin.to_dict() if pin is not None else None, "shards": [shard.to_dict() for shard in found_shards],
+            "text_column": cfg.text_column, "held_out": held_out.to_dict(), "sub_streams": streams,
+            "seq_len": cfg.seq_len, "seed": cfg.seed, "pack": cfg.pack,
+            "tokenizer": data.tokenizer_fingerprint(tokenizer)}
 
 
 def _count(least: int):
     return lambda n: type(n) is int and least <= n < LIMIT  # type(): a bool is no count
 
 
-# Each field's kind, checked before any comparison; the shards and the held-out set are then
-# checked whole by their own classes (shards.changed, HeldOut.from_dict)
-KINDS = {"shards": (lambda v: isinstance(v, list), "a list of shards"),
+# Each field's kind, checked before any comparison; the pin, the shards and the held-out set are
+# then checked whole by their own classes (Pin.from_dict, shards.changed, HeldOut.from_dict)
+KINDS = {"hub": (lambda v: v is None or isinstance(v, dict), "a Hub dataset's pin or null"),
+         "shards": (lambda v: isinstance(v, list), "a list of shards"),
          "text_column": (lambda v: isinstance(v, str) and bool(v), "a column's name"),
          "held_out": (lambda v: isinstance(v, dict), "a held-out set"),
          "sub_streams": (_count(1), "a whole number of at least 1"),
@@ -156,7 +163,10 @@ def checked_record(recorded, source: str = "the checkpoint") -> dict:
 def check_resume(recorded: dict | None, now: dict | None, source: str = "the checkpoint") -> None:
     """A resumed run reads what the checkpoint's run read: one UsageError line naming the first
     thing that differs between the record the checkpoint holds and this run's (record()), or
-    anything wrong in the one it holds; nothing is written before (the caller's order). None:
+    anything wrong in the one it holds; nothing is written before (the caller's order). A Hub
+    dataset's pin is compared where both runs read one (a resume of the same dataset reads its
+    recorded commit: hub.hub_source); a run that read a Hub dataset's files may resume from a
+    local copy of them, and the other way round, where the shards are the same. None:
     a run without --stream; resuming one with it, or the other way round, is one line too.
     source: the checkpoint, as the line names it."""
     if recorded is None or now is None:
@@ -166,6 +176,12 @@ def check_resume(recorded: dict | None, now: dict | None, source: str = "the che
                              f"{'rows of a stream' if recorded is not None else 'rows of the tokenized corpus'})")
         return
     was = checked_record(recorded, source)
+    pins = [Pin.from_dict(pin) if pin is not None else None for pin in (was["hub"], now["hub"])]
+    if None not in pins and pins[0] != pins[1]:  # a Hub dataset's files, or local ones: their shards compared
+        pin = pins[0]
+        flags = f"--dataset {pin.dataset}{f' --dataset-config {pin.config}' if pin.config is not None else ''} " \
+                f"--split {pin.split}"
+        raise UsageError(f"{source} read {pin}, and this run reads {pins[1]}: resume with {flags}")
     what = shards.changed(was["shards"], [shards.Shard.from_dict(d) for d in now["shards"]])
     if what:
         raise UsageError(f"{source} was trained on other shards: {what}. Resume with the shards it read, or start "

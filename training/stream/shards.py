@@ -1,8 +1,9 @@
 """The shards --stream reads, and how a run knows what it read: the files of a source (one
-file, or a folder's files at any depth), each described by its pieces (a parquet file's row
-groups, a JSON Lines file whole) and a digest that a resume must find again; and the
-documents of one piece, from any row on. Damage is one UsageError line that names the file
-and the row: never a traceback, never a document silently skipped.
+file, a folder's files at any depth, or a Hub dataset's at a pinned commit: hub.py), each
+described by its pieces (a parquet file's row groups, a JSON Lines file whole) and a digest
+that a resume must find again; and the documents of one piece, from any row on. Damage is one
+UsageError line that names the file and the row: never a traceback, never a document silently
+skipped.
 
 A document is what load_corpus (training/corpus.py) takes for one: a text that is empty or
 only whitespace is none (passed over, its row still counted), a null or a missing text is
@@ -19,6 +20,7 @@ import json
 import re
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow
@@ -26,6 +28,8 @@ import pyarrow.parquet as pq
 
 from training import corpus
 from training.errors import UsageError, first_line
+from training.stream import hub
+from training.stream.hub import HubSource
 
 # name suffix -> kind. A piece is where a reader can start without reading what comes before
 # it: a parquet row group; a JSON Lines file whole (a compressed stream has no other way in).
@@ -37,6 +41,7 @@ DIGEST_BYTES = 64 * 1024
 READ_ROWS = 1024  # a parquet row group is decoded and made Python strings this many rows at a time
 READ_ERRORS = (OSError, EOFError, zlib.error)  # a disk's, or gzip's: a stream cut short or damaged
 MAX_LINE_BYTES = 256 << 20  # a longer JSON line is refused, not read into memory (a book is a few MB)
+Source = str | HubSource  # a local file or folder (--dataset), or a Hub dataset's files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,19 +87,25 @@ def shard_kind(path) -> str | None:
     return next((kind for suffix, kind in KINDS.items() if name.endswith(suffix)), None)
 
 
-def shard_path(source: str, shard: Shard) -> Path:
-    """Where a shard found in source is: below the folder, or the lone file itself."""
+def shard_path(source: Source, shard: Shard) -> Path | str:
+    """Where a shard found in source is: below the folder, the lone file itself, or a Hub
+    dataset's file's URL (a str: the readers open a Path as a local file, a str with fsspec)."""
+    if isinstance(source, HubSource):
+        return source.url(shard.name)
     root = Path(source).expanduser()
     return root / shard.name if root.is_dir() else root
 
 
-def find_shards(source: str, text_column: str) -> list[Shard]:
-    """The shards of source, sorted by name (the same list on every rank): the file itself, or
+def find_shards(source: Source, text_column: str) -> list[Shard]:
+    """The shards of source, sorted by name (the same list on every rank): the file itself,
     every shard a folder holds at any depth, walked as load_corpus walks --dataset's folder
     (symlinked folders followed, hidden ones not, each real file once, other files named in one
-    warning). Each is checked before any training, cheaply (a parquet file's footer, a JSON
-    Lines file's first document): nothing to read, a FIFO, a device or a dangling link where a
-    shard should be, a file that cannot be read, a damaged footer, no text column: one line."""
+    warning), or a Hub dataset's files, named by their path in its repository. Each is checked
+    before any training, cheaply (a parquet file's footer, a JSON Lines file's first document):
+    nothing to read, a FIFO, a device or a dangling link where a shard should be, a file that
+    cannot be read, a damaged footer, no text column: one line."""
+    if isinstance(source, HubSource):
+        return _remote_shards(source, text_column)
     root = Path(source).expanduser()
     if root.is_dir():
         # A FIFO or a dangling link named as a shard is kept, to be refused below: skipping it
@@ -113,11 +124,32 @@ def find_shards(source: str, text_column: str) -> list[Shard]:
     return [_described(path, name, text_column) for name, path in named]
 
 
-def _described(path: Path, name: str, text_column: str) -> Shard:
+def _remote_shards(source: HubSource, text_column: str) -> list[Shard]:
+    """A Hub dataset's files, each described as a local file is, a few at a time: each takes a
+    request or two (a parquet file's end), and a corpus may have thousands."""
+    other = [name for name, _ in source.files if shard_kind(name) is None]
+    if other or not source.files:
+        raise UsageError(f"{source} holds {len(source.files)} files, {len(other)} not {KNOWN_SHARDS} shards "
+                         f"({', '.join(other[:3])}): --stream reads only those; leave it out to load the dataset whole")
+    with ThreadPoolExecutor(hub.LISTING_THREADS) as pool:
+        return list(pool.map(lambda file: _described(file[1], file[0], text_column), source.files))
+
+
+def _size(path: Path | str) -> int:
+    """A shard's size: a local file's, refused unless it is a regular file, or a URL's."""
+    return corpus.regular_file(path, "shard") if isinstance(path, Path) else hub.file_size(path)
+
+
+def _open(path: Path | str):
+    """A shard's bytes: a local file, or a URL's (fsspec's, its failures OSErrors)."""
+    return open(path, "rb") if isinstance(path, Path) else hub.open_file(path)
+
+
+def _described(path: Path | str, name: str, text_column: str) -> Shard:
     kind = shard_kind(path)
-    size = corpus.regular_file(path, "shard")  # before open(): a FIFO would block it
+    size = _size(path)  # before open(): a FIFO would block it
     try:
-        with open(path, "rb") as f:
+        with _open(path) as f:
             f.seek(max(0, size - DIGEST_BYTES) if kind == "parquet" else 0)
             digest = hashlib.blake2b(f.read(DIGEST_BYTES), digest_size=16).hexdigest()
             pieces = _row_groups(f, path, text_column) if kind == "parquet" else (None,)
@@ -130,7 +162,7 @@ def _described(path: Path, name: str, text_column: str) -> Shard:
     return shard
 
 
-def _row_groups(f, path: Path, text_column: str) -> tuple[int, ...]:
+def _row_groups(f, path: Path | str, text_column: str) -> tuple[int, ...]:
     """Each row group's row count, from the footer, once it has a text column."""
     try:
         footer = pq.ParquetFile(f)
@@ -140,7 +172,7 @@ def _row_groups(f, path: Path, text_column: str) -> tuple[int, ...]:
     return tuple(footer.metadata.row_group(i).num_rows for i in range(footer.num_row_groups))
 
 
-def _check_text_column(schema: pyarrow.Schema, path: Path, column: str):
+def _check_text_column(schema: pyarrow.Schema, path: Path | str, column: str):
     found = schema.get_all_field_indices(column)
     if len(found) != 1:
         raise UsageError(f"shard {path} has {'no' if not found else len(found)} columns named {column!r} "
@@ -168,14 +200,14 @@ def piece_sizes(found: list[Shard]) -> list[int]:
             for shard in found for rows in shard.pieces]
 
 
-def reader(source: str, found: list[Shard], text_column: str) -> Callable[[int, int], Iterator[tuple[int, str]]]:
+def reader(source: Source, found: list[Shard], text_column: str) -> Callable[[int, int], Iterator[tuple[int, str]]]:
     """read(piece, start_row) for order.documents: read_documents of the corpus's piece `piece`
     (numbered as corpus_pieces numbers them)."""
     listed = corpus_pieces(found)
     return lambda piece, start_row: read_documents(source, *listed[piece], start_row, text_column)
 
 
-def read_documents(source: str, shard: Shard, piece: int, start_row: int,
+def read_documents(source: Source, shard: Shard, piece: int, start_row: int,
                    text_column: str) -> Iterator[tuple[int, str]]:
     """The documents of one piece of a shard from start_row on, in the file's order, as (its
     row within the piece, its text): the row is the position a resume starts at. A row is a
@@ -187,14 +219,14 @@ def read_documents(source: str, shard: Shard, piece: int, start_row: int,
     return _documents(shard_path(source, shard), shard, piece, start_row, text_column)
 
 
-def _documents(path: Path, shard: Shard, piece: int, start_row: int, text_column: str):
+def _documents(path: Path | str, shard: Shard, piece: int, start_row: int, text_column: str):
     if not (type(piece) is int and 0 <= piece < len(shard.pieces)):
         raise UsageError(f"shard {path}: there is no piece {piece} (it has {len(shard.pieces)})")
     rows = shard.pieces[piece]
     if not (type(start_row) is int and 0 <= start_row and (rows is None or start_row <= rows)):
         held = f" (row group {piece} holds {rows:,})" if rows is not None else ""
         raise UsageError(f"shard {path}: there is no row {start_row} to start at{held}")
-    if (size := corpus.regular_file(path, "shard")) != shard.size:
+    if (size := _size(path)) != shard.size:
         raise UsageError(f"shard {path} holds {size:,} bytes, where it held {shard.size:,} when listed: "
                          "it changed during the run")
     if shard.kind == "parquet":
@@ -202,13 +234,13 @@ def _documents(path: Path, shard: Shard, piece: int, start_row: int, text_column
     return _json_lines_documents(path, shard.kind, start_row, text_column)
 
 
-def _parquet_documents(path: Path, piece: int, rows: int, start_row: int, text_column: str):
+def _parquet_documents(path: Path | str, piece: int, rows: int, start_row: int, text_column: str):
     """Its row group's text column, decoded a batch of pages at a time (iter_batches): a whole
     row group read at once (read_row_group) held about 4 times its text in memory."""
     where = f"shard {path}, row group {piece}"  # rows and row groups counted from 0, as pyarrow counts them
     first = 0  # the batch's first row
     try:
-        with open(path, "rb") as f:
+        with _open(path) as f:
             footer = pq.ParquetFile(f)
             _check_text_column(footer.schema_arrow, path, text_column)  # read again: the file may have changed
             held = footer.metadata.row_group(piece).num_rows if piece < footer.num_row_groups else 0
@@ -240,7 +272,7 @@ def _texts(column: pyarrow.Array, first: int, where: str, text_column: str):
             yield row, text
 
 
-def _json_lines_documents(path: Path, kind: str, start_row: int, text_column: str):
+def _json_lines_documents(path: Path | str, kind: str, start_row: int, text_column: str):
     lines = 0
     with contextlib.closing(_lines(path, kind)) as file_lines:
         for row, line in enumerate(file_lines):
@@ -258,10 +290,10 @@ def _json_lines_documents(path: Path, kind: str, start_row: int, text_column: st
                          "the file changed during the run")
 
 
-def _lines(path: Path, kind: str) -> Iterator[bytes]:
+def _lines(path: Path | str, kind: str) -> Iterator[bytes]:
     """A JSON Lines file's lines as bytes, decompressed: split at "\\n" only, as JSON Lines
     are (a text file's reader would also split at "\\r" and at U+2028 inside a document)."""
-    with open(path, "rb") as raw:
+    with _open(path) as raw:
         errors = READ_ERRORS
         if kind == "jsonl.gz":
             stream = gzip.GzipFile(fileobj=raw)  # several gzip members one after another: one stream
@@ -317,7 +349,7 @@ class _Chunks(io.RawIOBase):
         return n
 
 
-def _zstandard(path: Path):
+def _zstandard(path: Path | str):
     """The optional zstandard package, imported only when a .zst shard is read."""
     try:
         import zstandard
