@@ -1,10 +1,12 @@
-"""Measure --stream's pieces on a FineWeb-shaped corpus: the online packer, one sub-stream's rows, and the BPE.
+"""Measure --stream on a FineWeb-shaped corpus: the online packer, one sub-stream's rows, the BPE, and the launch.
 
     python bench_stream.py                                   # a generated 100 MB corpus, --seq-lens 512 1024 2048
     python bench_stream.py --open-rows 32 128 --mb 200
     python bench_stream.py --sections bpe                    # the BPE alone
     python bench_stream.py --sections loader                 # the cost of the loader's state a step
     python bench_stream.py --sections checkpoint             # the states a checkpoint gathers and holds
+    python bench_stream.py --sections launch                 # the trainers' launch, --stream and map-style
+                                                             # (not by default: minutes, and a 1 GB corpus)
 
 The corpus is bench_data.py's (generated once, FineWeb's shape: log-normal document lengths,
 median about 1,800 characters) with its 50,000-token BPE. Its documents, in the file's order,
@@ -52,6 +54,9 @@ each way in a fresh process, from the corpus's file to the trained tokenizer:
   stream        find_shards, holdout.validation_documents (--val-docs' default) and
                 holdout.train_stream_tokenizer: the training documents in shard order, read lazily
   peak RSS      the process's most resident memory (imports included)
+
+The launch: train_dp.py's (and train_ddp.py's) from launch to first step, --stream and map-style,
+on generated corpora of --launch-mbs MB (benchmarks/stream_launch.py says what and how).
 """
 
 import argparse
@@ -64,18 +69,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
 
 
-SECTIONS = ["packer", "bpe", "loader", "checkpoint"]
+SECTIONS = ["packer", "bpe", "loader", "checkpoint", "launch"]  # launch: minutes, and a 1 GB corpus: asked for
 
 
 def parse_args(argv=None):
-    from benchmarks import bench_data
+    from benchmarks import bench_data, stream_launch
     from training.errors import ArgumentParser, at_least
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lens", type=at_least(1), nargs="+", default=[512, 1024, 2048])
     p.add_argument("--open-rows", type=at_least(1), nargs="+", default=[8, 32, 128, 512],
                    help="rows the online packer holds open, one table row each")
-    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS)
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS[:-1])
     p.add_argument("--steps", type=at_least(1), default=400, help="--sections checkpoint: the steps read first")
+    stream_launch.add_arguments(p)
     bench_data.add_corpus_arguments(p, megabytes=100)
     args = p.parse_args(argv)
     bench_data.check_data(args)
@@ -197,16 +203,11 @@ def checkpoint_cost(path: Path, tokenizer, seq_len: int, steps: int, streams: in
     import io
     import itertools
     import pickle
-    import pyarrow.parquet as pq
     import torch
     from training.stream import run, shards
     from training.stream.loader import StreamFeed
     from training.stream.order import SubStreams
-    pieces = path.with_name(f"{path.stem}.32_row_groups.parquet")
-    if not pieces.exists():  # written whole, then named: an interrupted write leaves no half a corpus
-        table = pq.read_table(path)
-        pq.write_table(table, pieces.with_suffix(".tmp"), row_group_size=-(-len(table) // 32))
-        pieces.with_suffix(".tmp").rename(pieces)
+    pieces = in_row_groups(path, 32)
     [shard] = shards.find_shards(str(pieces), "text")
     sub_streams = SubStreams(list(shard.pieces), streams, seed=0)
     feeds = [StreamFeed(sub_streams, lambda piece, row: shards.read_documents(str(pieces), shard, piece, row, "text"),
@@ -231,6 +232,17 @@ def checkpoint_cost(path: Path, tokenizer, seq_len: int, steps: int, streams: in
             "tokens_mb": sum(state["packer"]["tokens"].nbytes for state in states.values()) / 1e6,
             "sent_mb": max(len(pickle.dumps(feed.state_dict())) for feed in feeds) / 1e6,
             "saved_mb": saved.tell() / 1e6, "gather_ms": statistics.median(waits) * 1e3}
+
+
+def in_row_groups(path: Path, groups: int) -> Path:
+    """The corpus rewritten beside it in `groups` row groups (its own are 10,000 rows each), once."""
+    import pyarrow.parquet as pq
+    pieces = path.with_name(f"{path.stem}.{groups}_row_groups.parquet")
+    if not pieces.exists():  # written whole, then named: an interrupted write leaves no half a corpus
+        table = pq.read_table(path)
+        pq.write_table(table, pieces.with_suffix(".tmp"), row_group_size=-(-len(table) // groups))
+        pieces.with_suffix(".tmp").rename(pieces)
+    return pieces
 
 
 def on_gloo_ranks(world_size: int, work) -> list:
@@ -357,7 +369,8 @@ def checkpoint_table(path: Path, tokenizer, seq_lens: list[int], steps: int) -> 
 
 def main(argv=None) -> dict:
     """Prints the tables; returns {seq_len: {"offline": ..., open_rows: ..., "rows_per_s": {"padded", "packed"}},
-    "bpe": {...}, "loader": {seq_len: {...}}, "checkpoint": {seq_len: {...}}}."""
+    "bpe": {...}, "loader": {seq_len: {...}}, "checkpoint": {seq_len: {...}},
+    "launch": {mb (None for --data): {launch: {...}}}}."""
     args = parse_args(argv)
     import datasets
     from benchmarks import bench_data
@@ -370,6 +383,9 @@ def main(argv=None) -> dict:
     results = {}
     if "bpe" in args.sections:
         results["bpe"] = bpe_table(path, args.vocab_size)
+    if "launch" in args.sections:
+        from benchmarks import stream_launch
+        results["launch"] = stream_launch.table(args, bench_data.bpe(path, args.vocab_size, texts))
     if not {"packer", "loader", "checkpoint"} & set(args.sections):
         return results
     tokenizer = data.load_tokenizer(bench_data.bpe(path, args.vocab_size, texts))

@@ -4,6 +4,7 @@ too; --stream and --sub-streams refused where they cannot work, and S chosen whe
 every rank's sub-stream states gathered to rank 0 (gloo), saved, and shared out again at
 another world size to train the same global batches."""
 
+import argparse
 import dataclasses
 import json
 
@@ -304,3 +305,23 @@ def test_bench_stream_measures_the_states_a_checkpoint_holds_at_toy_size(tmp_pat
     assert row["tokens_mb"] < row["saved_mb"] < row["tokens_mb"] + 0.01 and row["gather_ms"] > 0
     assert "the states a checkpoint holds" in capsys.readouterr().out
 
+
+def test_bench_stream_launches_streamed_runs_that_write_only_their_run_folder(tmp_path, capsys):
+    """bench_stream.py --sections launch on a 1 MB corpus in 4 row groups: train_dp.py --stream and train_ddp.py
+    --stream at 2 ranks reach their first step after their loop begins, save a checkpoint when stopped, and leave
+    nothing in the `datasets` cache or TMPDIR, the process tree writing their run folder and no more; the map-style
+    run of the same corpus leaves its tokens in the cache (which the column would miss were it not the run's)."""
+    from benchmarks import bench_data
+    generated = bench_data.prepared_corpus(argparse.Namespace(data=None, mb=1, data_dir=str(tmp_path)))
+    results = bench_stream.main(["--data", str(bench_stream.in_row_groups(generated, 4)), "--vocab-size", "300",
+                                 "--sections", "launch", "--launches", "stream", "stream-2-ranks", "map-style"])
+    runs = results["launch"][None]
+    assert list(runs) == ["stream", "stream-2-ranks", "map-style"]
+    for name, row in runs.items():
+        assert 0 < row["ready_s"] < row["first_step_s"] and row["peak_pss_mb"] > 100, name
+        assert row["checkpoint_mb"] > 1 and row["tmp_mb"] == 0, name  # the debug model's weights and AdamW's
+        assert 0 < row["run_files_mb"] < row["checkpoint_mb"], name  # checkpoint.pt: a link, counted once
+        written_there = row["checkpoint_mb"] + row["run_files_mb"] + row["cache_mb"]
+        assert written_there <= row["written_mb"] < written_there + 0.5, name
+        assert (row["cache_mb"] > 0) == (name == "map-style"), name
+    assert "launch to first step" in capsys.readouterr().out
