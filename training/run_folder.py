@@ -52,6 +52,19 @@ def sharded_checkpoints(out: Path) -> list[Path]:
 _LOCKS = []  # open descriptors of the output folders this process holds, until it exits
 
 
+def _unlock_in_child():
+    """A forked child (a DataLoader worker of --stream, a tokenizing process) closes its copies
+    of the locks' descriptors: a copy shares the lock, and a worker outlives its parent killed
+    with kill -9 by seconds (it polls for its parent's death), during which the run restarted
+    by torchrun was refused as "another run". The parent's own descriptors keep the lock."""
+    for fd in _LOCKS:
+        os.close(fd)
+    _LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_unlock_in_child)
+
+
 def lock_out_dir(out_dir: str):
     """Hold an exclusive lock on the output folder for the rest of this process's life: an
     flock on the folder itself, which the kernel releases when the process dies, however it
