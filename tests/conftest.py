@@ -326,7 +326,14 @@ def runs(tmp_path_factory, corpus):
     cached run is never changed: a test that resumes one resumes its own copy (runs.copy). A
     plain one-process run (no wrapper) runs in the asking process; runs.output[name] is what
     it printed."""
-    root = shared_dir(tmp_path_factory) / "runs"
+    get = memoized_runs(shared_dir(tmp_path_factory) / "runs", ["--dataset", str(corpus), *FAST])
+    get.corpus = corpus
+    return get
+
+
+def memoized_runs(root: Path, base: list[str]):
+    """The `runs` fixture's runner for runs of `base` args (the data and the flags), each run's
+    folder in `root`: runs(name, script, extra_args, nproc, **run_script's) -> out_dir."""
     root.mkdir(exist_ok=True)
     done, output = {}, {}
 
@@ -336,7 +343,7 @@ def runs(tmp_path_factory, corpus):
         if name not in done:
             with exclusive(root / f"{name}.lock"):
                 if not record.exists():
-                    args = ["--dataset", str(corpus), *FAST, "--out-dir", str(out), *extra]
+                    args = [*base, "--out-dir", str(out), *extra]
                     # a cached run trained in this process prints nothing into the asking test's
                     # capsys: what that test reads is its own (the progress bar goes to stderr)
                     with contextlib.redirect_stderr(io.StringIO()):
@@ -351,7 +358,7 @@ def runs(tmp_path_factory, corpus):
         shutil.copytree(run, to)
         return to
 
-    get.root, get.corpus, get.output, get.copy = root, corpus, output, copy
+    get.root, get.output, get.copy = root, output, copy
     return get
 
 

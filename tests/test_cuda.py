@@ -17,6 +17,7 @@ from model import LlamaConfig, LlamaForPretraining, LlamaLMHead, compute_dtype
 from test_packing import (attended, attention_inputs, both_layouts, bounds_from_positions, in_one_call,
                           packed_in_padded_order, padded_reference, relative_distance, small_model, with_flex)
 from ops import packed_attention
+from test_stream_training import STREAM, shards, streamed, sub_streams_at  # noqa: F401 (fixtures)
 from training import launch, weights
 from training.metrics import peak_tflops
 
@@ -152,6 +153,34 @@ def test_generate_on_the_gpu(runs):
     assert proc.stdout.startswith("the model") and len(proc.stdout) > len("the model\n")
     assert run_script("tools/generate.py", [str(out), "--prompt", "the model", "--max-new-tokens", "16",
                                       "--temperature", "0"]).stdout == proc.stdout
+
+
+def same_state(a, b) -> bool:
+    """Two sub-stream states (ints, strs, dicts, the packer's tensor of tokens) alike, tensors bitwise."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    return a == b
+
+
+def test_a_streamed_run_on_the_gpu_reads_what_a_cpu_run_reads_and_resumes(streamed, tmp_path):
+    """--stream --pack on CUDA (DDP under NCCL on one GPU, bf16, compiled): after the same steps
+    every sub-stream stands where a CPU run's does (the rows do not depend on the device: the
+    GPU's are pinned and copied by the read-ahead), and stopped at step 4 and resumed, the run
+    trains on to GPU rounding."""
+    on_cpu = {"--device": "cpu", "--dtype": "fp32"}
+    gpu = [*[a for i, a in enumerate(STREAM) if a not in on_cpu and STREAM[i - 1] not in on_cpu],
+           "--dtype", "bf16", "--compile", "--pack"]
+    cpu_run = streamed("ddp1_packed", "train_ddp.py", ["--pack"], nproc=1)
+    runs = {}
+    for name, extra in [("straight", []), ("half", ["--stop-at-step", "4"]), ("half", ["--resume"])]:
+        runs[name] = tmp_path / name
+        run_script("train_ddp.py", ["--dataset", str(streamed.shards), *gpu, "--out-dir", str(runs[name]), *extra],
+                   nproc=1, real_torchrun=True)
+    for step in (4, 8):
+        assert same_state(sub_streams_at(runs["straight"], step), sub_streams_at(cpu_run, step))
+    assert max_weight_diff(load_weights(runs["straight"]), load_weights(runs["half"])) < 1e-2
 
 
 def test_the_cluster_check_on_a_gpu_reports_it_and_checks_nccl():

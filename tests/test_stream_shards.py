@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from training.errors import UsageError
-from training.stream import shards
+from training.stream import json_lines, shards
 from training.stream.shards import Shard, changed, find_shards, read_documents
 
 HAS_ZSTANDARD = importlib.util.find_spec("zstandard") is not None
@@ -352,7 +352,7 @@ def test_a_bad_json_line_in_the_middle_is_one_line_naming_the_file_and_the_line(
 
 
 def test_a_line_longer_than_any_document_is_refused_before_it_is_read_whole(tmp_path, monkeypatch):
-    monkeypatch.setattr(shards, "MAX_LINE_BYTES", 100)
+    monkeypatch.setattr(json_lines, "MAX_LINE_BYTES", 100)
     path, shard = the_sixth_line(tmp_path, "jsonl", json.dumps({"text": "x" * 99}).encode())
     assert refused(read, path, shard) == \
         f"cannot read shard {path}: line 6 is longer than 100 bytes, more than any document"

@@ -18,7 +18,7 @@ on every run over the same shards, and the rest of the corpus never opened.
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import datasets
 from tokenizers import Tokenizer

@@ -10,15 +10,10 @@ only whitespace is none (passed over, its row still counted), a null or a missin
 refused, and so is text that is not UTF-8.
 """
 
-import codecs
 import contextlib
 import dataclasses
-import gzip
 import hashlib
-import io
-import json
 import re
-import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,7 +23,7 @@ import pyarrow.parquet as pq
 
 from training import corpus
 from training.errors import UsageError, first_line
-from training.stream import hub
+from training.stream import hub, json_lines
 from training.stream.hub import HubSource
 
 # name suffix -> kind. A piece is where a reader can start without reading what comes before
@@ -39,8 +34,6 @@ KNOWN_SHARDS = "/".join(KINDS)
 # and each row group's place, size and statistics (a rewritten file differs there), any other's start.
 DIGEST_BYTES = 64 * 1024
 READ_ROWS = 1024  # a parquet row group is decoded and made Python strings this many rows at a time
-READ_ERRORS = (OSError, EOFError, zlib.error)  # a disk's, or gzip's: a stream cut short or damaged
-MAX_LINE_BYTES = 256 << 20  # a longer JSON line is refused, not read into memory (a book is a few MB)
 Source = str | HubSource  # a local file or folder (--dataset), or a Hub dataset's files
 
 
@@ -231,7 +224,7 @@ def _documents(path: Path | str, shard: Shard, piece: int, start_row: int, text_
                          "it changed during the run")
     if shard.kind == "parquet":
         return _parquet_documents(path, piece, rows, start_row, text_column)
-    return _json_lines_documents(path, shard.kind, start_row, text_column)
+    return json_lines.documents(path, _open, shard.kind, start_row, text_column)
 
 
 def _parquet_documents(path: Path | str, piece: int, rows: int, start_row: int, text_column: str):
@@ -270,118 +263,6 @@ def _texts(column: pyarrow.Array, first: int, where: str, text_column: str):
                              "fix that row, or choose another column with --text-column")
         if text.strip():
             yield row, text
-
-
-def _json_lines_documents(path: Path | str, kind: str, start_row: int, text_column: str):
-    lines = 0
-    with contextlib.closing(_lines(path, kind)) as file_lines:
-        for row, line in enumerate(file_lines):
-            lines = row + 1
-            if row < start_row:
-                continue
-            try:
-                text = _json_text(line.removeprefix(codecs.BOM_UTF8) if row == 0 else line, text_column)
-            except ValueError as e:
-                raise UsageError(f"cannot read shard {path}: line {row + 1}: {e}") from None
-            if text:
-                yield row, text
-    if lines < start_row:
-        raise UsageError(f"shard {path} has {lines:,} lines, none numbered {start_row} (from 0): "
-                         "the file changed during the run")
-
-
-def _lines(path: Path | str, kind: str) -> Iterator[bytes]:
-    """A JSON Lines file's lines as bytes, decompressed: split at "\\n" only, as JSON Lines
-    are (a text file's reader would also split at "\\r" and at U+2028 inside a document)."""
-    with _open(path) as raw:
-        errors = READ_ERRORS
-        if kind == "jsonl.gz":
-            stream = gzip.GzipFile(fileobj=raw)  # several gzip members one after another: one stream
-        elif kind == "jsonl.zst":
-            zstandard = _zstandard(path)
-            errors += (zstandard.ZstdError,)
-            stream = io.BufferedReader(_Chunks(_zstd_frames(raw, zstandard)))
-        else:
-            stream = raw
-        lines = 0
-        try:
-            # bounded: a line with no end (a few bytes of gzip make gigabytes of one line) is refused, not held
-            for lines, line in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
-                if len(line) > MAX_LINE_BYTES:
-                    raise UsageError(f"cannot read shard {path}: line {lines} is longer than "
-                                     f"{MAX_LINE_BYTES:,} bytes, more than any document")
-                yield line
-        except errors as e:
-            raise UsageError(f"cannot read shard {path}: line {lines + 1}: {first_line(e)}") from None
-
-
-def _zstd_frames(raw, zstandard) -> Iterator[bytes]:
-    """A .zst file decompressed, frame after frame. zstandard's own stream_reader ends silently
-    where a file is cut short; here a frame left unfinished is an EOFError, as gzip's is."""
-    decompressor = zstandard.ZstdDecompressor()
-    frame, unfinished = decompressor.decompressobj(), False
-    while data := raw.read(4096):  # a small read: what one call makes is at most ~30,000 times more
-        while data:
-            yield frame.decompress(data)
-            if frame.eof:
-                data, frame, unfinished = frame.unused_data, decompressor.decompressobj(), False
-            else:
-                data, unfinished = b"", True
-    if unfinished:
-        raise EOFError("the file ends in the middle of a zstd frame: it was cut short")
-
-
-class _Chunks(io.RawIOBase):
-    """Chunks of bytes as a file, for io.BufferedReader's readline."""
-    def __init__(self, chunks: Iterator[bytes]):
-        self.chunks, self.left = chunks, memoryview(b"")
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        while not self.left:
-            if (chunk := next(self.chunks, None)) is None:
-                return 0
-            self.left = memoryview(chunk)
-        n = min(len(buffer), len(self.left))
-        buffer[:n], self.left = self.left[:n], self.left[n:]
-        return n
-
-
-def _zstandard(path: Path | str):
-    """The optional zstandard package, imported only when a .zst shard is read."""
-    try:
-        import zstandard
-    except ImportError:
-        raise UsageError(f"reading {path} needs the zstandard package: pip install zstandard") from None
-    return zstandard
-
-
-def _json_text(line: bytes, text_column: str) -> str | None:
-    """The document of one line, or None for a blank line or an empty text; a ValueError that
-    says what is wrong with it otherwise."""
-    if not line.strip():
-        return None  # pyarrow's JSON reader, behind load_corpus, passes over a blank line too
-    try:
-        decoded = line.decode()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"not UTF-8 text (byte {e.start + 1})") from None
-    try:
-        document = corpus.json_object(decoded)
-    except ValueError as e:
-        raise ValueError(f"JSON parse error: {e}") from None
-    text = document.get(text_column)
-    if text is None:
-        raise ValueError(f"no {text_column!r} (absent or null; its fields: {', '.join(document)}): "
-                         "fix that line, or choose another field with --text-column")
-    if not isinstance(text, str):
-        raise ValueError(f"{text_column!r} holds {json.dumps(text)[:40]}, not text")
-    try:
-        text.encode()
-    except UnicodeEncodeError:  # an escape such as \ud800 that JSON reads as half a surrogate pair
-        raise ValueError(f"{text_column!r} holds a lone surrogate escape, not UTF-8 text") from None
-    return text if text.strip() else None
 
 
 def changed(recorded: list[dict], found: list[Shard]) -> str | None:
