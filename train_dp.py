@@ -78,7 +78,7 @@ def main():
         epoch, step_in_epoch = divmod(step, steps_per_epoch)
         if batches is None or step_in_epoch == 0:
             if cfg.stream:  # one feed for the whole run: each rank's sub-streams, read ahead from where they stand
-                batches = train_ds.read_ahead(rank, world_size, device)
+                batches = train_ds.read_ahead(device, None)
             else:
                 # a new epoch reshuffles; a resumed run skips the samples it has already seen
                 sampler.set_epoch(epoch, start=step_in_epoch * micro_batch * cfg.grad_accum)
@@ -123,7 +123,7 @@ def main():
             if saving:
                 divergence.check_weights(step, raw_model)  # real jobs: on every rank, before saving
                 if cfg.stream:  # every rank's sub-stream positions, to rank 0 (a collective)
-                    train_ds.gather(batches, None)
+                    train_ds.gather(batches)
             if saving and is_main:
                 writer.save(raw_model, optimizer,
                             checkpoint.run_state(raw_model, scheduler, cfg, step, train_ds, divergence))

@@ -1,7 +1,8 @@
 """--stream's loader (training/stream/loader.py): one rank's share of each global batch, laid out
 as order.py lays it, the same global batches at every world size; resumed bitwise from the
 states of the steps handed out (not of the rows its workers read ahead), at the same world size
-and at another; each sub-stream produced by one worker; the end agreed by the ranks."""
+and at another; each sub-stream produced by one worker; the end, and a shard one rank cannot
+read, agreed by the ranks."""
 
 import datetime
 import os
@@ -13,11 +14,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
+from benchmarks.bench_stream import on_gloo_ranks
 from test_stream_rows import SEED, Corpus, corpus, small_pieces, through_a_checkpoint, tokenizer  # noqa: F401
 from test_stream_shards import write, write_lines
 from training.errors import UsageError
 from training.stream import order
-from training.stream.loader import StreamFeed, next_step, read_ahead
+from training.stream.loader import AgreedSteps, StreamFeed, next_step, read_ahead
 from training.stream.order import SubStreams
 from training.stream.rows import SubStreamRows
 
@@ -175,6 +177,29 @@ def test_the_ranks_agree_on_the_end_through_one_all_reduce_a_step(corpus, tokeni
     for thread in threads:
         thread.join(120)
     assert not errors and taken == [steps] * 4 and max(alone) > steps == min(alone), (errors, taken, alone)
+
+
+def test_a_shard_one_rank_cannot_read_ends_every_rank_before_the_same_step_with_its_line():
+    """Rank 2's feed meets a damaged shard at its fourth step; ranks 0, 1 and 3 could read on.
+    Through AgreedSteps (the loop's next()), every rank raises rank 2's line before step 4, none
+    left in a collective the others never join. Four gloo ranks, each a thread."""
+    said = "cannot read shard s.jsonl: line 9: JSON parse error"
+
+    def steps(rank):
+        for step in range(10):
+            if rank == 2 and step == 3:
+                raise UsageError(said)
+            yield [(torch.full((1, 2), step),)]
+
+    def rank_loop(rank, group):
+        taken = 0
+        try:
+            for _ in AgreedSteps(steps(rank), group):
+                taken += 1
+        except UsageError as e:
+            return taken, str(e)
+        return taken, None
+    assert on_gloo_ranks(4, rank_loop) == [(3, said)] * 4
 
 
 @FRAMINGS

@@ -440,8 +440,8 @@ def test_a_parquet_shard_cut_short_is_one_line_before_training_and_during_it(tmp
     path.write_bytes(path.read_bytes()[:whole // 2])
     assert refused(find_shards, str(path), "text") == f"cannot read shard {path}: Parquet magic bytes not found " \
         "in footer. Either the file is corrupted or this is not a parquet file."
-    assert refused(read, path, shard, 3) == \
-        f"shard {path} holds {whole // 2:,} bytes, where it held {whole:,} when listed: it changed during the run"
+    assert refused(read, path, shard, 3, 4) == f"cannot read shard {path}, row group 3, row 4 on: it holds " \
+        f"{whole // 2:,} bytes, where it held {whole:,} when listed: it changed during the run"
 
 
 @pytest.mark.parametrize("kind", ["parquet", "jsonl"])

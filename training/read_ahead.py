@@ -43,16 +43,21 @@ class ReadAhead:
         batches = iter(loader)  # here, not in the thread: a loader's iterator draws its seed from torch's RNG
         if device.type == "cuda" and device.index is None:  # "cuda": this thread's GPU, which the reader's is not
             device = torch.device("cuda", torch.cuda.current_device())
-        self.ready = queue.Queue(maxsize=1)  # the next step; the thread reads the one after meanwhile
+        self.ready = ready = queue.Queue(maxsize=1)  # the next step; the thread reads the one after meanwhile
         self.device, self.steps = device, steps
         self._state = state_dict() if state_dict is not None else None  # before any step
         stop = threading.Event()
-        thread = threading.Thread(target=_read, args=(batches, grad_accum, device, steps, state_dict, self.ready, stop),
+        thread = threading.Thread(target=_read, args=(batches, grad_accum, device, steps, state_dict, ready, stop),
                                   name="read-ahead", daemon=True)
         thread.start()
 
         def end():  # stop reading ahead, and wait for a read under way
             stop.set()
+            # A step read that the loop will not take: taken here, the thread's wait to hand it over
+            # ends now, not at its next look at `stop` (0.1 s): a rank that stops on an error the
+            # ranks agreed on leaves as soon as the others, before torchrun ends it for being late.
+            with contextlib.suppress(queue.Empty):
+                ready.get_nowait()
             thread.join()
         # A run that ends before its last step (an error, a signal) ends the thread first, before
         # the interpreter does: a thread still reading in C++ when Python ends it aborted the
@@ -110,7 +115,7 @@ def _read(batches, grad_accum: int, device: torch.device, steps: int | None, sta
                 raise RuntimeError(f"the loader ran out before the {steps} steps it was read ahead for"
                                    if steps is not None else "the loader ran out within a step")
             state = state_dict() if state_dict is not None else None  # after this step's batches, not the next's
-            if not _hand_over(ready, (step, copied, state), stop):
+            if not _hand_over(ready, (step, copied, state), stop) or stop.is_set():
                 return
     except BaseException as e:  # a damaged row, a full disk: raised where the step asks for it
         _hand_over(ready, (e, None, None), stop)

@@ -10,9 +10,11 @@ What the scripts ask of a training dataset, and what a stream answers:
 - facts, targets_before(): what the log and the speedometer report; on a resume the real
   targets trained so far are the sum of those every sub-stream has handed out (rows.py counts
   them in its state), exact at any world size.
-- read_ahead(): the rank's feed of micro-batches (loader.py), from the checkpoint's positions.
-- gather() and `saved`: every rank's positions gathered to rank 0 before a save (a collective),
-  which checkpoint.run_state puts in the checkpoint beside the run's record (run.py).
+- read_ahead(device, group): the rank's feed of micro-batches (loader.py), from the checkpoint's
+  positions, which the feed checks as the dataset is made (before the run writes anything); the
+  ranks agree over `group` before each step (a shard one rank cannot read ends every rank).
+- gather() and `saved`: every rank's positions gathered to rank 0 over that group before a save
+  (a collective), which checkpoint.run_state puts in the checkpoint beside the run's record (run.py).
 """
 
 import datasets
@@ -20,7 +22,6 @@ import torch.distributed as dist
 
 from training import corpus, launch
 from training.errors import UsageError
-from training.read_ahead import ReadAhead
 from training.stream import holdout, loader, run, shards
 from training.stream.holdout import HeldOut
 from training.stream.hub import HubSource, hub_source
@@ -102,11 +103,11 @@ class StreamedDataset:
         self.cfg, self.tokenizer, self.record = cfg, tokenizer, record
         self.sub_streams = SubStreams(source.sizes, cfg.sub_streams, cfg.seed)
         self.read = holdout.skip_held_out(shards.reader(source.source, source.shards, cfg.text_column), source.held_out)
-        self.states = source.saved[1] if source.saved else None  # the checkpoint's, all S: each rank takes its own
+        states = source.saved[1] if source.saved else None  # the checkpoint's, all S: each rank takes its own
         self._targets = 0
-        if self.states is not None:
-            run.owned_states(self.states, cfg.sub_streams, 1, 0)  # all S there, keyed by their numbers
-            counts = [state.get("targets") if isinstance(state, dict) else None for state in self.states.values()]
+        if states is not None:
+            run.owned_states(states, cfg.sub_streams, 1, 0)  # all S there, keyed by their numbers
+            counts = [state.get("targets") if isinstance(state, dict) else None for state in states.values()]
             if not all(type(n) is int and 0 <= n < LIMIT for n in counts):
                 raise UsageError("the checkpoint's sub-stream states do not count their targets as this trainer "
                                  "does: the checkpoint is damaged; move it away to resume from the one before it")
@@ -115,6 +116,13 @@ class StreamedDataset:
                       "pieces": len(source.sizes), "sub_streams": cfg.sub_streams, "held_out": source.held_out.count}
         self.hub = str(source.source) if isinstance(source.source, HubSource) else None  # the start-up line's
         self.saved = None  # gather()'s, for the checkpoint being saved
+        # This rank's feed, made here, in run_data.prepare: a checkpoint's hostile or stale state
+        # (a cursor past its piece, a window its document lacks) is one line before anything is
+        # written, not once the run has rewritten its files and begun its loop.
+        rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.feed = self._feed(rank, world_size)
+        if states is not None:
+            self.feed.load_state_dict(run.owned_states(states, cfg.sub_streams, world_size, rank))
 
     def __len__(self) -> int:
         return self.cfg.max_steps * self.cfg.batch_size
@@ -122,26 +130,28 @@ class StreamedDataset:
     def targets_before(self, step: int, batch_size: int, seed: int) -> int:
         return self._targets  # the checkpoint's step (0 for a new run): the only step a run starts at
 
-    def read_ahead(self, rank: int, world_size: int, device) -> ReadAhead:
-        """Rank `rank`'s micro-batches, step after step, read one step ahead onto the device
-        while the step before runs; from the checkpoint's positions on a resume (at any world size
-        that divides S). Its workers: one a spare core of this rank's share, at most one a
+    def _feed(self, rank: int, world_size: int) -> loader.StreamFeed:
+        """Rank `rank`'s feed. Its workers: one a spare core of this rank's share, at most one a
         sub-stream it owns (a worker owns whole sub-streams), 0 where no core is spare: then
         ReadAhead's thread tokenizes (tokenizers releases the GIL)."""
         cfg = self.cfg
         owned = cfg.sub_streams // world_size
         spare = launch.usable_cores() // launch.ranks_on_this_node() - 1
         workers = max((n for n in range(owned + 1) if n == 0 or owned % n == 0 and n <= spare), default=0)
-        feed = loader.StreamFeed(self.sub_streams, self.read, self.tokenizer, cfg.seq_len, cfg.pack, None,
-                                 cfg.batch_size, world_size, rank, cfg.grad_accum, workers,
-                                 pin_memory=device.type == "cuda")
-        if self.states is not None:
-            feed.load_state_dict(run.owned_states(self.states, cfg.sub_streams, world_size, rank))
-            self.states = None  # loaded: the run goes on from the feed's
-        return loader.read_ahead(feed, device)
+        return loader.StreamFeed(self.sub_streams, self.read, self.tokenizer, cfg.seq_len, cfg.pack, None,
+                                 cfg.batch_size, world_size, rank, cfg.grad_accum, workers)
 
-    def gather(self, batches: ReadAhead, group=None) -> None:
+    def read_ahead(self, device, group=None) -> loader.AgreedSteps:
+        """This rank's micro-batches, step after step (from the checkpoint's positions on a
+        resume, at any world size that divides S), read one step ahead onto the device while
+        the step before runs; the ranks agree before each step on the end and on a shard that
+        one of them cannot read (loader.next_step, on `group`: the trainers' control group)."""
+        self.feed.pin_memory = device.type == "cuda"
+        return loader.AgreedSteps(loader.read_ahead(self.feed, device), group)
+
+    def gather(self, batches: loader.AgreedSteps) -> None:
         """Every rank's sub-stream positions after the last step handed to the loop, to rank 0
-        (a collective: every rank calls it before a save), for checkpoint.run_state."""
-        states = run.gather_states(batches, group)
+        over the group read_ahead was given (a collective: every rank calls it before a save),
+        for checkpoint.run_state."""
+        states = run.gather_states(batches, batches.group)
         self.saved = {"record": self.record, "states": states} if states is not None else None

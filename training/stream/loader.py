@@ -36,18 +36,19 @@ The end: the first step some owned sub-stream cannot give its B/S rows ends the 
 (StopIteration, at that call and every later one; the rows the others hold are dropped, as
 order.py's rule says). A rank sees only its own sub-streams, so ranks end at different steps:
 the run ends at the earliest (the W = 1 feed's end), which only a collective can tell every
-rank. The loop asks next_step() (one all-reduce of an int a step), not next() alone.
+rank. The loop asks next_step() (one all-reduce of an int a step), not next() alone: through
+AgreedSteps, which also raises on every rank the line of a shard that one rank cannot read.
 """
 
 import itertools
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 import data
-from training import stopping
 from training.errors import UsageError
 from training.read_ahead import ReadAhead
 from training.stream import order
@@ -219,10 +220,49 @@ def read_ahead(feed: StreamFeed, device: torch.device) -> ReadAhead:
                      state_dict=feed.state_dict)
 
 
+FAILED = 2  # next_step's word for a feed that met a shard it cannot read (0: a step, 1: the end)
+
+
 def next_step(steps: Iterator[list], group=None) -> list | None:
     """The next step's micro-batches, or None on every rank once some rank's feed has ended: a
     rank sees only its own sub-streams, so the ranks' feeds end at different steps, and every
-    rank must stop before the same one. One all-reduce of one int a step (stopping.agreed, on
-    `group`: the trainers' gloo control group), every rank calling it."""
-    step = next(steps, None)
-    return None if stopping.agreed(step is None, group) else step
+    rank must stop before the same one. A shard that one rank's feed cannot read (a UsageError
+    naming the file and the row) is raised on every rank, the lowest such rank's line: raised
+    on that rank alone, it would leave the others in the step's collectives, to end in
+    gloo's traceback when its connection closes (NCCL: its timeout). One all-reduce of one int
+    a step (stopping.agreed's way, on `group`: the trainers' gloo control group), every rank
+    calling it, and one exchange of the line where a rank failed. No process group (`group`
+    None and none initialized): the step, or the error, as next() gives it."""
+    try:
+        step, failed = next(steps, None), None
+    except UsageError as e:
+        step, failed = None, e
+    if group is None and not dist.is_initialized():
+        if failed is not None:
+            raise failed
+        return step
+    said = torch.tensor([FAILED if failed is not None else int(step is None)], dtype=torch.int32)
+    dist.all_reduce(said, op=dist.ReduceOp.MAX, group=group)
+    if said.item() == FAILED:
+        lines = [None] * (group.size() if group is not None else dist.get_world_size())
+        dist.all_gather_object(lines, None if failed is None else str(failed), group=group)
+        raise UsageError(next(line for line in lines if line is not None))  # the same line everywhere
+    return None if said.item() else step
+
+
+class AgreedSteps(Iterator[list]):
+    """What the loop takes: next() is next_step's (StopIteration on every rank at the same step;
+    a shard one rank cannot read, its line on every rank), state_dict() ReadAhead's (that of the
+    steps handed to the loop, for gather_states)."""
+
+    def __init__(self, steps: ReadAhead, group=None):
+        self.steps, self.group = steps, group
+
+    def __next__(self) -> list:
+        step = next_step(self.steps, self.group)
+        if step is None:
+            raise StopIteration
+        return step
+
+    def state_dict(self) -> dict[int, dict]:
+        return self.steps.state_dict()

@@ -151,6 +151,9 @@ class SubStreamRows(Iterator[tuple[torch.Tensor, ...]]):
             if window and self._next_window() is None:  # the document in progress, read and cut again
                 raise UsageError(f"{where}: window {window} of a document in progress, and no document is left "
                                  f"from row {self._at.row} of piece {self._at.piece} of epoch {self._at.epoch} on")
+            pieces = cursor.sub_streams.pieces(cursor.stream, cursor.epoch)
+            if not window and cursor.piece < len(pieces):  # the next document's place: read opened, not read
+                self.read(pieces[cursor.piece], cursor.row)  # (shards.reader refuses a row its piece lacks here)
             if window and window >= len(self._windows):
                 raise UsageError(f"{where}: window {window} of the document at row {self._at.row} of piece "
                                  f"{self._at.piece} of epoch {self._at.epoch}, which is cut into "

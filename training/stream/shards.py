@@ -219,9 +219,10 @@ def _documents(path: Path | str, shard: Shard, piece: int, start_row: int, text_
     if not (type(start_row) is int and 0 <= start_row and (rows is None or start_row <= rows)):
         held = f" (row group {piece} holds {rows:,})" if rows is not None else ""
         raise UsageError(f"shard {path}: there is no row {start_row} to start at{held}")
-    if (size := _size(path)) != shard.size:
-        raise UsageError(f"shard {path} holds {size:,} bytes, where it held {shard.size:,} when listed: "
-                         "it changed during the run")
+    if (size := _size(path)) != shard.size:  # cut short or rewritten since listed
+        at = f"row group {piece}, row {start_row:,}" if shard.kind == "parquet" else f"line {start_row + 1:,}"
+        raise UsageError(f"cannot read shard {path}, {at} on: it holds {size:,} bytes, where it held {shard.size:,} "
+                         "when listed: it changed during the run")
     if shard.kind == "parquet":
         return _parquet_documents(path, piece, rows, start_row, text_column)
     return json_lines.documents(path, _open, shard.kind, start_row, text_column)

@@ -1,0 +1,459 @@
+"""--stream through the scripts, as a user runs them: hostile input (a resume on changed shards
+or flags, a checkpoint of the other mode or with a damaged stream entry, flags that cannot
+stream) is one line on stderr, exit status 2, nothing in --out-dir touched; a shard that cannot
+be read mid-run ends every rank with one line naming the file and the row, the last checkpoint
+intact and resumable once the shard is repaired; the corpus's edge cases train every window
+once an epoch; and a streamed run trains the model today's map-style run trains on the same
+windows in the same order."""
+
+import gzip
+import json
+import random
+import re
+import shutil
+import time
+from collections import Counter
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import data
+from conftest import (FAST, FAST_WITH_TOKENIZER, REPO, assert_same_model, assert_same_weights, metrics,
+                      run_in_process, run_script, script_in_process, stopped_at_step_4, without_speed)
+from model import IGNORE_INDEX, LlamaForPretraining
+from test_bad_inputs import refused_in_process, snapshot
+from test_failures import exit_codes, fault_env
+from training import corpus
+from training.stream import holdout, order, shards
+
+WORDS = ("the model reads tokens and predicts the next one while gradients flow back "
+         "through every layer of the network until the optimizer takes a step").split()
+
+
+def documents(n: int, seed: int, words: tuple[int, int] = (3, 40)) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(*words))) for _ in range(n)]
+
+
+def write(path, texts: list[str], row_group_size: int | None = None, first_line_extra: str = ""):
+    """A shard of these texts in the kind its name says, each row with a second text column,
+    "alt" (the words in reverse); first_line_extra: a "meta" field of the first JSON line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    alt = [" ".join(reversed(t.split())) for t in texts]
+    if path.name.endswith(".parquet"):
+        pq.write_table(pa.table({"text": pa.array(texts, pa.string()), "alt": pa.array(alt, pa.string())}), path,
+                       row_group_size=row_group_size)
+        return
+    rows = [{"text": t, "alt": a} for t, a in zip(texts, alt)]
+    if first_line_extra:
+        rows[0]["meta"] = first_line_extra
+    raw = "".join(json.dumps(row) + "\n" for row in rows).encode()
+    path.write_bytes(gzip.compress(raw, mtime=0) if path.name.endswith(".gz") else raw)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    """A BPE of this corpus's words, for the runs whose windows a test computes beforehand (and
+    whose shards a BPE trained from the stream would read whole before step 1)."""
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    data.train_tokenizer(datasets.Dataset.from_dict({"text": documents(200, 99)}), vocab_size=300).save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """Parquet (4 row groups), .jsonl and .jsonl.gz in a folder below: 6 pieces, 4 sub-streams."""
+    folder = tmp_path_factory.mktemp("mixed") / "shards"
+    write(folder / "a.parquet", documents(40, 1), row_group_size=10)
+    write(folder / "b.jsonl", documents(20, 2))
+    write(folder / "c" / "d.jsonl.gz", documents(20, 3))
+    return folder
+
+
+def streamed(dataset, *extra) -> list[str]:
+    return ["--stream", "--dataset", str(dataset), *FAST, *extra]
+
+
+@pytest.fixture(scope="module")
+def half(mixed, tmp_path_factory):
+    """A streamed run of FAST's 8 steps stopped at step 4, its checkpoint there, to resume: each
+    test resumes its own copy."""
+    out = tmp_path_factory.mktemp("half") / "run"
+    run_in_process("train_dp.py", [*streamed(mixed, "--stop-at-step", "4"), "--out-dir", str(out)])
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert saved["step"] == 4 and saved["stream"]["record"]["sub_streams"] == 4
+    return out
+
+
+def copy(folder, to):
+    shutil.copytree(folder, to)
+    return to
+
+
+# ---------------------------------------------------------------------------------------
+# Hostile input: one line, exit status 2, nothing touched
+
+
+def rewrite_same_size(folder):
+    path = folder / "b.jsonl"
+    raw = path.read_bytes()
+    at = raw.index(b"the")
+    path.write_bytes(raw[:at] + b"THE" + raw[at + 3:])
+
+
+def append_a_document(folder):
+    path = folder / "b.jsonl"
+    path.write_bytes(path.read_bytes() + json.dumps({"text": "one more", "alt": "more one"}).encode() + b"\n")
+
+
+SHARD_CHANGES = {
+    "rewritten": (rewrite_same_size, "shard b.jsonl changed: its first 64 KiB differ"),
+    "grown": (append_a_document, "shard b.jsonl holds "),
+    "added": (lambda f: write(f / "c" / "e.jsonl", documents(5, 4)), "shard c/e.jsonl was added"),
+    "removed": (lambda f: (f / "c" / "d.jsonl.gz").unlink(), "shard c/d.jsonl.gz was removed"),
+    "renamed": (lambda f: (f / "b.jsonl").rename(f / "b2.jsonl"), "shard b.jsonl is now named b2.jsonl"),
+}
+
+
+@pytest.mark.parametrize("change", SHARD_CHANGES)
+def test_a_resume_on_changed_shards_is_one_line_touching_nothing(half, mixed, tmp_path, change, capsys):
+    changing, message = SHARD_CHANGES[change]
+    shards_now = copy(mixed, tmp_path / "shards")
+    changing(shards_now)
+    out = copy(half, tmp_path / "run")
+    refused_in_process("train_dp.py", streamed(shards_now, "--resume"), out,
+                       f"the checkpoint was trained on other shards: {message}", capsys)
+
+
+FLAG_CHANGES = {
+    "seq-len": (["--seq-len", "16"], "read its rows with --seq-len 32, and this run asks for 16"),
+    "pack": (["--pack"], "was trained without --pack"),
+    "seed": (["--seed", "7"], "read its rows with --seed 1337, and this run asks for 7"),
+    "sub-streams": (["--sub-streams", "2"], "dealt its shards into 4 sub-streams, and this run into 2"),
+    "text-column": (["--text-column", "alt"], "read the column 'text' of its shards, and this run reads 'alt'"),
+    "val-docs": (["--val-docs", "5"], "held out 9 validation documents, not 5"),
+}
+
+
+@pytest.mark.parametrize("change", FLAG_CHANGES)
+def test_a_resume_with_a_changed_flag_is_one_line_touching_nothing(half, mixed, tmp_path, change, capsys):
+    """Every column of every shard holds text, so --text-column alt reads the same documents'
+    other column: only the record tells the change."""
+    extra, message = FLAG_CHANGES[change]
+    refused_in_process("train_dp.py", streamed(mixed, "--resume", *extra), copy(half, tmp_path / "run"), message,
+                       capsys)
+
+
+def test_a_checkpoint_of_the_other_mode_is_one_line_touching_nothing(runs, half, mixed, tmp_path, capsys):
+    """A map-style checkpoint resumed with --stream, and a streamed one without: their data
+    positions count other things."""
+    map_style = stopped_at_step_4(runs, tmp_path)
+    refused_in_process("train_dp.py", streamed(mixed, "--resume"), map_style,
+                       "was trained without --stream: resume without it", capsys)
+    refused_in_process("train_dp.py", ["--dataset", str(mixed), *FAST, "--resume"], copy(half, tmp_path / "run"),
+                       "was trained with --stream: resume with it", capsys)
+
+
+def without(args: list[str], flag: str) -> list[str]:
+    at = args.index(flag)
+    return args[:at] + args[at + 2:]
+
+
+@pytest.mark.parametrize("args, message", [  # --model debug brings --max-steps 50; article none
+    ([*without(streamed("{mixed}"), "--max-steps"), "--model", "article"], "--stream needs --max-steps"),
+    (streamed("{mixed}", "--epochs", "2"), "--epochs counts passes over a corpus tokenized before the run"),
+], ids=["no-max-steps", "epochs"])
+def test_flags_a_stream_cannot_take_are_one_line_touching_nothing(mixed, tmp_path, args, message, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's own file")
+    refused_in_process("train_dp.py", [a.replace("{mixed}", str(mixed)) for a in args], out, message, capsys)
+
+
+def set_state(stream: int, key: str, value, inner: str | None = None):
+    def change(ckpt):
+        state = ckpt["stream"]["states"][stream]
+        (state[inner] if inner else state)[key] = value
+    return change
+
+
+HOSTILE_ENTRIES = {
+    "entry-a-list": (lambda c: c.update(stream=[c["stream"]["record"], c["stream"]["states"]]),
+                     "stream entry is not a record and its sub-streams' states"),
+    "record-of-another-kind": (lambda c: c["stream"]["record"].update(seq_len="32"),
+                               "stream record: seq_len is '32', not a whole number"),
+    "record-missing-a-field": (lambda c: c["stream"]["record"].pop("seed"), "stream record holds ["),
+    "states-a-list": (lambda c: c["stream"].update(states=list(c["stream"]["states"].values())),
+                      "sub-stream states are a list, not a dict of sub-stream to state"),
+    "state-missing": (lambda c: c["stream"]["states"].pop(3), "sub-stream states lack sub-streams [3], and the run "
+                                                              "has 4"),
+    "state-not-a-dict": (lambda c: c["stream"]["states"].update({1: "here"}),
+                         "sub-stream states do not count their targets"),
+    "cursor-past-its-piece": (set_state(1, "row", 999, "cursor"), "there is no row 999 to start at"),
+    "window-past-its-document": (set_state(1, "window", 50), "sub-stream 1's rows in the checkpoint: window 50 of "
+                                                             "the document at row"),
+    "cursor-of-another-deal": (set_state(2, "dealt", "0" * 16, "cursor"), "sub-stream 2's position in the checkpoint: "
+                                                                         "it counts in other pieces"),
+    "state-packed": (set_state(3, "packer", {}), "sub-stream 3's rows in the checkpoint are packed, and this run's "
+                                                 "are padded (--pack)"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_ENTRIES)
+def test_a_hostile_stream_entry_in_the_checkpoint_is_one_line_touching_nothing(half, mixed, tmp_path, case, capsys):
+    """The states too are checked before anything is written: each rank's feed loads its own
+    as the data is prepared, the document in progress read again (it was checked in the loop,
+    after the run had rewritten its files)."""
+    damage, message = HOSTILE_ENTRIES[case]
+    out = copy(half, tmp_path / "run")
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
+    damage(ckpt)
+    torch.save(ckpt, out / "checkpoint.pt")
+    refused_in_process("train_dp.py", streamed(mixed, "--resume"), out, message, capsys)
+
+
+def line_of_every_rank(proc, tmp_path) -> str:
+    """Through the real torchrun, its workers recording how they ended (tests/inject_fault.py):
+    every rank exited 2; our one line printed once (by rank 0), before torchrun's report, in
+    which it is each rank's cause (the error file each rank leaves); no frame of our code (the
+    traceback there is torchrun's own launcher's). Returns the line."""
+    assert exit_codes(tmp_path) == {"exit-rank0": "2", "exit-rank1": "2"}, proc.stderr
+    assert proc.returncode == 1  # torchrun's, once its workers failed
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1, proc.stderr
+    assert proc.stderr.index(ours[0]) < proc.stderr.find("Traceback"), proc.stderr
+    assert proc.stderr.count(f"traceback : {ours[0]}") == 2, proc.stderr
+    for module in ("train_ddp.py", "training", "data.py", "model.py"):
+        assert f'File "{REPO / module}' not in proc.stderr, proc.stderr
+    return ours[0]
+
+
+def on_two_ranks(args, out, tmp_path, timeout=300):
+    """train_ddp.py on 2 ranks started by the real torchrun, each recording how it ended."""
+    return run_script("train_ddp.py", [*args, "--out-dir", str(out)], nproc=2, check=False, timeout=timeout,
+                      wrapper="tests/inject_fault.py", env=fault_env(tmp_path, "none", step=0))
+
+
+def test_a_world_size_that_does_not_divide_the_sub_streams_is_one_line_on_every_rank(mixed, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    before = snapshot(out)
+    proc = on_two_ranks(streamed(mixed, "--batch-size", "6", "--sub-streams", "3"), out, tmp_path)
+    assert line_of_every_rank(proc, tmp_path) == \
+        "error: 2 ranks cannot share the run's 3 sub-streams evenly: it runs and resumes at 1, 3 ranks"
+    assert snapshot(out) == before
+
+
+# ---------------------------------------------------------------------------------------
+# A shard that cannot be read mid-run
+
+
+def dealt(folder, val_docs: int, streams: int, seed: int = 1337) -> list[list[tuple[str, int]]]:
+    """Each sub-stream's pieces in epoch 0, in reading order, as (shard name, piece in it)."""
+    found = shards.find_shards(str(folder), "text")
+    _, held_out = holdout.validation_documents(str(folder), found, "text", val_docs)
+    listed = shards.corpus_pieces(found)
+    sizes = held_out.training_sizes(shards.piece_sizes(found))
+    return [[(listed[p][0].name, listed[p][1]) for p in pieces] for pieces in order.deal(sizes, streams, seed, 0)]
+
+
+def error_line(stderr: str) -> str:
+    """The one line a run that met bad input printed (after its progress bar), no traceback."""
+    assert "Traceback" not in stderr, stderr
+    ours = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and stderr.strip().splitlines()[-1] == ours[0], stderr
+    return ours[0]
+
+
+MID_RUN = ["--sub-streams", "2", "--max-steps", "14", "--save-every", "3", "--eval-every", "100"]
+
+
+@pytest.fixture(scope="module")
+def one_parquet(tmp_path_factory, tokenizer_file):
+    """One parquet shard of 6 row groups of 16 documents, and the uninterrupted run over it:
+    2 sub-streams, each reading a row group in about 6 steps."""
+    folder = tmp_path_factory.mktemp("one_parquet") / "shards"
+    write(folder / "m.parquet", documents(96, 5), row_group_size=16)
+    reference = folder.parent / "reference"
+    run_in_process("train_dp.py", ["--stream", "--dataset", str(folder), "--tokenizer", str(tokenizer_file),
+                                   *FAST_WITH_TOKENIZER, *MID_RUN, "--out-dir", str(reference)])
+    return folder, reference
+
+
+@pytest.mark.parametrize("damage", ["truncated", "row-group-damaged"])
+def test_a_parquet_damaged_during_the_run_stops_it_in_one_line_and_resumes_once_repaired(
+        one_parquet, tokenizer_file, tmp_path, monkeypatch, capsys, damage):
+    """After step 1 the shard is cut to half its size, or 16 bytes of a row group that sub-stream
+    1 reads second are zeroed (the file's size and footer as listed). Where a core is spare
+    the rows are read in a DataLoader worker (2 cores: one), else in ReadAhead's thread; either
+    way the error reaches the loop as one line naming the file, row group and row, exit 2. The
+    checkpoint saved before stays as it was: repaired, the shard resumes there, and the run
+    ends bitwise where the uninterrupted run ends, with the same metrics."""
+    source, reference = one_parquet
+    folder = copy(source, tmp_path / "shards")
+    path = folder / "m.parquet"
+    good = path.read_bytes()
+    piece = dealt(folder, 9, 2)[1][1][1]  # sub-stream 1's second row group
+    chunk = pq.ParquetFile(path).metadata.row_group(piece).column(0)
+    middle = (chunk.dictionary_page_offset or chunk.data_page_offset) + chunk.total_compressed_size // 2
+
+    def damaged_after_step_1(*args, real_step=torch.optim.AdamW.step, **kwargs):
+        damaged_after_step_1.steps += 1
+        if damaged_after_step_1.steps == 1:
+            path.write_bytes(good[:len(good) // 2] if damage == "truncated"
+                             else good[:middle] + bytes(16) + good[middle + 16:])
+        return real_step(*args, **kwargs)
+    damaged_after_step_1.steps = 0
+    monkeypatch.setattr(torch.optim.AdamW, "step", damaged_after_step_1)
+    out = tmp_path / "run"
+    args = ["--stream", "--dataset", str(folder), "--tokenizer", str(tokenizer_file), *FAST_WITH_TOKENIZER, *MID_RUN,
+            "--out-dir", str(out)]
+    assert script_in_process("train_dp.py", args) == 2
+    line = error_line(capsys.readouterr().err)
+    where = r"row group \d+, row \d+" if damage == "truncated" else f"row group {piece}, row 0"
+    assert re.fullmatch(rf"error: cannot read shard {re.escape(str(path))}, {where} on: .+", line), line
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)["step"]
+    assert saved in (3, 6, 9, 12) and damaged_after_step_1.steps < 14
+    monkeypatch.undo()
+    path.write_bytes(good)  # repaired
+    run_in_process("train_dp.py", [*args, "--resume"])
+    assert_same_model(out, reference)  # bitwise, and the same metrics
+
+
+def test_a_bad_json_line_one_rank_meets_ends_every_rank_in_one_line_promptly(tokenizer_file, tmp_path):
+    """Rank 1's sub-stream reaches a line that is no JSON after some steps; rank 0 reads on.
+    The ranks agree before each step whether a feed failed (loader.next_step): every rank exits
+    2 with the line, which rank 0 prints, at once, where rank 0 used to wait in the step's
+    all-reduce for a rank that had left (gloo's traceback, or NCCL's timeout). Each file's first
+    line carries 64 KiB of metadata, so that the repair (a line of the same length) leaves the
+    shard's size and digest as listed: the run resumes from its last checkpoint and completes."""
+    folder = tmp_path / "shards"
+    for i in range(4):
+        write(folder / f"j{i}.jsonl", documents(16, 10 + i), first_line_extra="x" * 65536)
+    name, _ = dealt(folder, 9, 2)[1][1]  # sub-stream 1's second file: read after about 6 steps
+    path = folder / name
+    lines = path.read_bytes().split(b"\n")
+    good_line = lines[12]  # after the 9 held out, were it the first file
+    lines[12] = b'{"text": "cut' + b" " * (len(good_line) - 13)
+    path.write_bytes(b"\n".join(lines))
+    out = tmp_path / "run"
+    args = ["--stream", "--dataset", str(folder), "--tokenizer", str(tokenizer_file), *FAST_WITH_TOKENIZER, *MID_RUN,
+            "--timeout-minutes", "10"]
+    started = time.monotonic()
+    proc = on_two_ranks(args, out, tmp_path)
+    assert time.monotonic() - started < 120  # not --timeout-minutes 10
+    line = line_of_every_rank(proc, tmp_path)
+    assert line.startswith(f"error: cannot read shard {path}: line 13: JSON parse error"), line
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] in (3, 6, 9, 12)
+    lines[12] = good_line
+    path.write_bytes(b"\n".join(lines))  # repaired
+    run_script("train_ddp.py", [*args, "--out-dir", str(out), "--resume"], nproc=2)
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 14
+
+
+# ---------------------------------------------------------------------------------------
+# The corpus's edge cases
+
+
+@pytest.fixture
+def trained_rows(monkeypatch):
+    """Every row the model trains on (its forwards with gradients: not evaluation's), as the
+    window it holds: its tokens, [BOT] to the last, without padding."""
+    rows, real_forward = [], LlamaForPretraining.forward
+
+    def recording(self, input_ids, targets=None, *args, **kwargs):
+        if torch.is_grad_enabled():
+            for x, y in zip(input_ids, targets):
+                n = int((y != IGNORE_INDEX).sum())
+                rows.append((*x[:n].tolist(), int(y[n - 1])))
+        return real_forward(self, input_ids, targets, *args, **kwargs)
+    monkeypatch.setattr(LlamaForPretraining, "forward", recording)
+    return rows
+
+
+def windows_of(texts: list[str], tokenizer_file) -> list[tuple]:
+    """Each document's windows as the map-style path cuts them (data.document_windows)."""
+    tokenizer = data.text_only(data.load_tokenizer(str(tokenizer_file)))
+    exact = data.clip_is_exact(tokenizer)
+    return [tuple(w.tolist()) for text in texts for w in data.document_windows(text, tokenizer, 32, exact)]
+
+
+def test_the_corpus_edge_cases_train_every_window_once_an_epoch(tmp_path, tokenizer_file, trained_rows):
+    """One sub-stream over shards of every kind and edge: a parquet shard whose last row group
+    ends in a document, then the next shard; an empty .jsonl (no row) and an empty parquet
+    (one row group of none); a parquet with an empty row group between two; a shard of one
+    document; a document of about 20 windows in a row group of 2 rows; a .jsonl.gz in a folder
+    below. The first 2 documents are held out; the rest hold a multiple of --batch-size windows,
+    and the run is two epochs long: each epoch's steps train each window of the training
+    documents exactly once (the epochs deal the pieces in other orders)."""
+    folder = tmp_path / "shards"
+    texts = {"a.parquet": documents(8, 20), "b.jsonl": [], "c.parquet": [], "e.jsonl": documents(1, 21),
+             "f.parquet": [*documents(1, 25, words=(300, 300)), *documents(3, 22)], "g/h.jsonl.gz": documents(5, 23)}
+    write(folder / "a.parquet", texts["a.parquet"], row_group_size=4)
+    (folder / "b.jsonl").write_bytes(b"")
+    write(folder / "c.parquet", [])
+    texts["d.parquet"] = documents(4, 24)
+    schema = pa.schema([("text", pa.string())])
+    with pq.ParquetWriter(folder / "d.parquet", schema) as writer:
+        for part in (texts["d.parquet"][:2], [], texts["d.parquet"][2:]):
+            writer.write_table(pa.table({"text": pa.array(part, pa.string())}))
+    write(folder / "e.jsonl", texts["e.jsonl"])
+    write(folder / "f.parquet", texts["f.parquet"], row_group_size=2)
+    in_shard_order = [text for name in sorted(texts) for text in texts[name]]
+    held_out = 2
+    while len(windows_of(in_shard_order[held_out:], tokenizer_file)) % 8:  # one-window documents to round it off
+        texts["g/h.jsonl.gz"].append(documents(1, len(in_shard_order), words=(3, 5))[0])
+        in_shard_order.append(texts["g/h.jsonl.gz"][-1])
+    write(folder / "g" / "h.jsonl.gz", texts["g/h.jsonl.gz"])
+    found = shards.find_shards(str(folder), "text")
+    assert [(s.name, s.pieces) for s in found if s.kind == "parquet"] == \
+        [("a.parquet", (4, 4)), ("c.parquet", (0,)), ("d.parquet", (2, 0, 2)), ("f.parquet", (2, 2))]
+    expected = Counter(windows_of(in_shard_order[held_out:], tokenizer_file))
+    assert len(windows_of(texts["f.parquet"][:1], tokenizer_file)) >= 15  # the long document
+    assert max(expected.values()) == 1  # a window trained twice, another never, would show
+    steps = sum(expected.values()) // 8
+    run_in_process("train_dp.py", ["--stream", "--dataset", str(folder), "--tokenizer", str(tokenizer_file),
+                                   *FAST_WITH_TOKENIZER, "--sub-streams", "1", "--val-docs", str(held_out),
+                                   "--max-steps", str(2 * steps), "--out-dir", str(tmp_path / "run")])
+    assert len(trained_rows) == 2 * steps * 8
+    first, second = trained_rows[:steps * 8], trained_rows[steps * 8:]
+    assert Counter(first) == expected and Counter(second) == expected
+    assert first != second  # epoch 1 reads the pieces in another order
+
+
+# ---------------------------------------------------------------------------------------
+# The map-style run's model
+
+
+def test_a_streamed_run_trains_the_map_style_runs_model_on_the_same_windows_in_the_same_order(tmp_path, monkeypatch):
+    """The Done-when's "same windows in the same order": the map-style run shuffles its windows
+    each epoch (ResumableRandomSampler) and a stream reads documents in the order of its
+    pieces, so their orders differ by design; the test makes them agree, and changes nothing
+    else of either path. The map-style side: today's train_dp.py on a .jsonl corpus, its
+    sampler's permutation replaced by the identity (its windows in document order), its BPE
+    trained and its documents held out as always (split_train_val's seeded shuffle). The
+    streamed side: one sub-stream (--sub-streams 1), padded, over one parquet shard of one row
+    group that holds the same documents, the map-style run's held-out ones first (the stream
+    holds out the first --val-docs) and then its training ones in its order. Both then train
+    the same windows, padded alike, in the same batches: the same BPE, the same logged losses,
+    gradient norms, token counts and val losses, and the same weights, bitwise. (Per-window
+    losses of a shuffled run would say less: the same loss of a window under the same weights,
+    not the same training.)"""
+    texts = documents(120, 30)
+    map_corpus = tmp_path / "corpus.jsonl"
+    map_corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    train, val = corpus.split_train_val(corpus.load_corpus(str(map_corpus), None, None, "text"), 9, 1337)
+    stream_folder = tmp_path / "shards"
+    write(stream_folder / "s.parquet", [*val["text"], *train["text"]])
+    with monkeypatch.context() as patched:
+        patched.setattr(data.ResumableRandomSampler, "permutation", lambda self: torch.arange(self.n))
+        run_in_process("train_dp.py", ["--dataset", str(map_corpus), *FAST, "--out-dir", str(tmp_path / "map")])
+    run_in_process("train_dp.py", ["--stream", "--dataset", str(stream_folder), *FAST, "--sub-streams", "1",
+                                   "--out-dir", str(tmp_path / "stream")])
+    assert (tmp_path / "stream" / "tokenizer.json").read_text() == (tmp_path / "map" / "tokenizer.json").read_text()
+    steps = [row for row in metrics(tmp_path / "stream") if row["step"] > 0]
+    assert without_speed(steps) == without_speed([row for row in metrics(tmp_path / "map") if row["step"] > 0])
+    assert_same_weights(tmp_path / "stream", tmp_path / "map")  # bitwise
