@@ -180,7 +180,8 @@ def test_the_record_holds_the_pin_and_a_changed_remote_file_is_one_line_naming_i
     fake_hub.rewrite(SHA_A, "data/a.jsonl", was + b'{"text": "one more"}\n')
     url = fake_hub.url(SHA_A, "data/a.jsonl")
     assert one_line(read_documents, source, listed[0], 0, 0, "text") == (
-        f"shard {url} holds {len(was) + 21:,} bytes, where it held {len(was):,} when listed: it changed during the run")
+        f"cannot read shard {url}, line 1 on: it holds {len(was) + 21:,} bytes, where it held {len(was):,} when listed: "
+        "it changed during the run")
     assert one_line(run.check_resume, recorded, record_of(cfg, source, tokenizer)) == (
         f"the checkpoint was trained on other shards: shard data/a.jsonl holds {len(was) + 21:,} bytes, where it held "
         f"{len(was):,}. Resume with the shards it read, or start a new run")
