@@ -14,7 +14,7 @@ Two rows, each on a fresh `datasets` cache, with the same tokenizer (a BPE train
 sample, not timed), over the same full texts:
   raw encode_batch   tokenizer.encode_batch over every whole document, on every core: the
                      ceiling for tokenizing them
-  ours               run_data.load_text + run_data.make_datasets, as the trainers call them:
+  ours               run_data.Corpus + its training_rows, as the trainers call them:
                      load, split, encode every document whole and cut it into windows
 MB/s counts the UTF-8 bytes of the documents' text.
 
@@ -230,8 +230,7 @@ def ours(cfg, tokenizer, made: dict):
     """What the three scripts run, given --tokenizer (the training set is kept in made)."""
     from training import run_data
     start = time.perf_counter()
-    train_text, val_text, _ = run_data.load_text(cfg)
-    made["train"], _ = run_data.make_datasets(cfg, tokenizer, train_text, val_text)
+    made["train"] = run_data.Corpus(cfg).training_rows(tokenizer)
     return time.perf_counter() - start
 
 
@@ -306,7 +305,7 @@ def main():
 
     rows, made = [], {}
     for name, fn in (("raw encode_batch (the tokenizer alone)", lambda: raw_encode_batch(texts, tokenizer)),
-                     ("ours: run_data.load_text + make_datasets", lambda: ours(cfg, tokenizer, made))):
+                     ("ours: run_data.Corpus + training_rows", lambda: ours(cfg, tokenizer, made))):
         cache = fresh_cache()
         seconds = fn()
         rows.append((name, seconds))

@@ -6,7 +6,7 @@
 The corpus is bench_data.py's (generated once, FineWeb's shape: log-normal document lengths,
 median about 1,800 characters) with its 50,000-token BPE. For each --seq-len, two layouts of
 the same windows: padded (one window a row, the default) and packed (--pack):
-  preparation   run_data.load_text + make_datasets on a fresh `datasets` cache, as the
+  preparation   run_data.Corpus + training_rows on a fresh `datasets` cache, as the
                 trainers call them: packing adds its step to the same work, timed alone too
   padding       the share of an epoch's positions that hold no token
   loader        rows a second through the DataLoader as the trainers build it
@@ -48,7 +48,7 @@ def parse_args(argv=None):
 
 
 def prepare(path, tokenizer_path, seq_len, pack):
-    """make_datasets as the trainers call it, on a fresh cache: (seconds, of which packing's, train)."""
+    """The training rows as the trainers make them, on a fresh cache: (seconds, of which packing's, train)."""
     from benchmarks import bench_data
     import data
     from training import config, packing, run_data
@@ -65,8 +65,7 @@ def prepare(path, tokenizer_path, seq_len, pack):
     packing.pack = timed_pack
     try:
         start = time.perf_counter()
-        train_text, val_text, _ = run_data.load_text(cfg)
-        train, _ = run_data.make_datasets(cfg, data.load_tokenizer(tokenizer_path), train_text, val_text)
+        train = run_data.Corpus(cfg).training_rows(data.load_tokenizer(tokenizer_path))
         return time.perf_counter() - start, sum(timings), train
     finally:
         packing.pack = real_pack

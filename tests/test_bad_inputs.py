@@ -428,17 +428,18 @@ def test_a_run_that_saved_into_the_folder_while_this_one_prepared_its_data_stops
     from training import run_data
     finished = runs("dp", "train_dp.py")
     out = runs.copy(finished, tmp_path / "run") if resume else tmp_path / "run"
-    real_make_datasets = run_data.make_datasets
+    real_make_dataset, tokenized = run_data.make_dataset, []
 
-    def the_other_run_saves(*args, **kwargs):  # while this run tokenizes
-        if resume:  # the other run saved a newer checkpoint.pt (here: the same bytes, a new file)
+    def the_other_run_saves(*args, **kwargs):  # while this run tokenizes its training documents (the first call)
+        if not tokenized and resume:  # the other run saved a newer checkpoint.pt (here: the same bytes, a new file)
             shutil.copy(out / "checkpoint.pt", out / "newer.tmp")
             os.replace(out / "newer.tmp", out / "checkpoint.pt")
-        else:
+        elif not tokenized:
             shutil.copytree(finished, out)
-        return real_make_datasets(*args, **kwargs)
+        tokenized.append(1)
+        return real_make_dataset(*args, **kwargs)
 
-    monkeypatch.setattr(run_data, "make_datasets", the_other_run_saves)
+    monkeypatch.setattr(run_data, "make_dataset", the_other_run_saves)
     args = ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), *(["--resume"] if resume else [])]
     assert script_in_process("train_dp.py", args) == 2
     message = (f"{out}/checkpoint.pt changed while this run prepared its data (another run saved into the folder): "

@@ -132,9 +132,9 @@ def device_with(monkeypatch):
         monkeypatch.setattr(memory, "estimate", lambda *a, **k: seen.append(real_estimate(*a, **k)) or seen[-1])
         monkeypatch.setattr(memory, "device_memory", lambda device: (total(seen[-1]), available(seen[-1])))
         if stop_at_tokenizing:
-            def not_yet(*args):
+            def not_yet(*args, **kwargs):
                 raise UsageError("the corpus would be tokenized now")
-            monkeypatch.setattr(run_data, "make_datasets", not_yet)
+            monkeypatch.setattr(run_data, "make_dataset", not_yet)
     return set_memory
 
 

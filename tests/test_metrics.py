@@ -29,8 +29,7 @@ ONE_STEP = ["--max-steps", "1"]
 def training_windows(runs, out: Path, extra=()) -> tuple:
     """(the flags, the training dataset) of the run in `out`, made again here with its tokenizer."""
     cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST, *extra, "--out-dir", str(runs.root / "unused")])
-    train_text, val_text, _ = run_data.load_text(cfg)
-    train_ds, _ = run_data.make_datasets(cfg, data.load_tokenizer(out / "tokenizer.json"), train_text, val_text)
+    train_ds = run_data.Corpus(cfg).training_rows(data.load_tokenizer(out / "tokenizer.json"))
     return cfg, train_ds
 
 

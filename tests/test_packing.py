@@ -776,8 +776,9 @@ def test_a_packed_run_resumes_bitwise_across_an_epoch_boundary(runs, tmp_path):
 def packed_datasets(runs, out, flags=PACK):
     """(the flags, the training and the held-out datasets) of a packed run, made again here."""
     cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST, *flags, "--out-dir", str(runs.root / "unused")])
-    train_text, val_text, _ = run_data.load_text(cfg)
-    return cfg, *run_data.make_datasets(cfg, data.load_tokenizer(out / "tokenizer.json"), train_text, val_text)
+    documents, tokenizer = run_data.Corpus(cfg), data.load_tokenizer(out / "tokenizer.json")
+    return cfg, documents.training_rows(tokenizer), run_data.make_dataset(cfg, tokenizer, documents.val_text,
+                                                                          text_bytes=True)
 
 
 def test_a_packed_evaluation_gives_the_padded_evaluations_loss_and_bits_per_byte(runs, floor):

@@ -100,12 +100,12 @@ def test_every_script_reads_the_next_step_while_this_one_runs(tmp_path, corpus, 
     reads, forwards = [], []
     next_read = [threading.Event() for _ in range(10)]
     real_getitems, real_forward = data.PaddedSequenceDataset.__getitems__, model_module.LlamaForPretraining.forward
-    real_datasets, training_rows = run_data.make_datasets, []
+    real_dataset, training_rows = run_data.make_dataset, []
 
-    def make_datasets(*args, **kwargs):
-        train, val = real_datasets(*args, **kwargs)
-        training_rows.append(train)
-        return train, val
+    def make_dataset(*args, **kwargs):
+        rows = real_dataset(*args, **kwargs)
+        training_rows.append(rows)  # the training rows first, then the held-out ones
+        return rows
 
     def getitems(self, indices):
         if self is training_rows[0]:
@@ -120,7 +120,7 @@ def test_every_script_reads_the_next_step_while_this_one_runs(tmp_path, corpus, 
                 assert next_read[len(forwards) + 1].wait(PATIENCE), f"step {len(forwards) + 1} was not read ahead"
         return real_forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(run_data, "make_datasets", make_datasets)
+    monkeypatch.setattr(run_data, "make_dataset", make_dataset)
     monkeypatch.setattr(data.PaddedSequenceDataset, "__getitems__", getitems)
     monkeypatch.setattr(model_module.LlamaForPretraining, "forward", forward)
     out = tmp_path / "out"

@@ -24,9 +24,8 @@ def test_ranks_hold_different_numbers_of_pad_tokens(corpus):
     """Guard for the equivalence tests below: with this corpus the two ranks' halves of a
     global batch differ in real tokens, so a per-rank mean loss would train a different model."""
     cfg = config.parse_args(["--dataset", str(corpus), *FAST])
-    train_text, val_text, _ = run_data.load_text(cfg)
-    tokenizer = data.train_tokenizer(train_text, cfg.vocab_size)
-    train_ds, _ = run_data.make_datasets(cfg, tokenizer, train_text, val_text)
+    documents = run_data.Corpus(cfg)
+    train_ds = documents.training_rows(documents.train_tokenizer())
     real_tokens = []
     for rank in range(2):
         sampler = data.ResumableDistributedSampler(train_ds, num_replicas=2, rank=rank, seed=cfg.seed, drop_last=True)
@@ -403,14 +402,14 @@ def test_local_rank_0_loads_and_tokenizes_the_corpus_first_and_the_other_ranks_r
                 self.turn = "everywhere"
 
     recorded, stages = Recorded(), []
-    real_load, real_make = corpus.load_corpus, run_data.make_datasets
+    real_load, real_make = corpus.load_corpus, run_data.make_dataset
     monkeypatch.setattr(corpus, "load_corpus", lambda *a: stages.append(("load", recorded.turn)) or real_load(*a))
-    monkeypatch.setattr(run_data, "make_datasets",
-                        lambda *a: stages.append(("tokenize", recorded.turn)) or real_make(*a))
+    monkeypatch.setattr(run_data, "make_dataset",
+                        lambda *a, **k: stages.append(("tokenize", recorded.turn)) or real_make(*a, **k))
     monkeypatch.setattr(run_data, "claim_out_dir", lambda cfg, ckpt: None)  # no lock left on the folder
     cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST, "--out-dir", str(tmp_path / "run")])
     run_data.prepare(cfg, recorded)
-    assert stages == [("load", "local rank 0 first"), ("tokenize", "local rank 0 first")]
+    assert stages == [("load", "local rank 0 first"), *[("tokenize", "local rank 0 first")] * 2]  # training, held out
 
 
 def test_fp32_matmuls_on_cuda_use_tf32_and_on_a_cpu_stay_full_fp32():

@@ -1,7 +1,12 @@
 """A run's data, prepared in stages that the distributed scripts run in turns (turns.py):
-the checkpoint to continue, the corpus split into training and held-out documents, one
-tokenizer for the whole job, and the windows, tokenized once (`datasets` caches them).
-Nothing is written before every check has passed: a refused run leaves no trace.
+the checkpoint to continue, then one pipeline, sources -> documents -> tokens -> windows ->
+rows, for both ways a run reads its corpus. A Corpus holds the documents, training and held
+out: this module's loads the whole corpus (map-style); training/stream/dataset.py's (--stream)
+lists its shards and reads only their first documents. One tokenizer for the whole job is
+trained on the training documents (or loaded). The held-out documents are cut into windows
+and rows here (make_dataset), and so are the training ones, tokenized once and cached by
+`datasets`, or with --stream as training goes. Nothing is written before every check has
+passed: a refused run leaves no trace.
 """
 
 from pathlib import Path
@@ -19,37 +24,57 @@ from training.turns import OneProcess
 
 
 def prepare(cfg: TrainConfig, turns=OneProcess(), sharded: bool = False, model_fits=None):
-    """The checkpoint to resume from (None for a new run), the tokenizer, and the training
-    and held-out datasets. Tokenized once: `datasets` caches the result on disk. With --stream,
-    nothing is tokenized here: the training dataset is a StreamedDataset, read as training goes
-    (training/stream/dataset.py). sharded: the run's checkpoints are
-    train_fsdp.py's. model_fits (a memory.Check): called with the vocabulary size, as soon as it is known."""
+    """The checkpoint to resume from (None for a new run), the tokenizer, and the training and
+    held-out datasets (with --stream, the training dataset is a StreamedDataset, read as training
+    goes). sharded: the run's checkpoints are train_fsdp.py's. model_fits (a memory.Check):
+    called with the vocabulary size, as soon as it is known."""
     resuming = turns.everywhere(lambda: resume.resuming(cfg.out_dir, cfg.resume))  # refuses to overwrite a run
     ckpt = turns.everywhere(lambda: resume.load_run(cfg.out_dir, sharded)) if resuming else None
     if ckpt is not None:  # a streamed run resumes streamed, a map-style one map-style: before any reading
         turns.everywhere(lambda: stream_run.check_same_mode(ckpt, cfg.stream))
-    if cfg.stream:  # the shards listed, the first documents held out; the rest read as training goes
-        stream = stream_dataset.Corpus(cfg, ckpt, turns)  # (its reads are rank 0's, sent to all: from_rank0)
-        val_text, train_bpe = stream.val_texts(), stream.train_tokenizer
-    else:
-        train_text, val_text, fingerprint = load_text(cfg, ckpt, turns)
-        train_bpe = lambda: data.train_tokenizer(train_text, cfg.vocab_size)  # noqa: E731
-    # one tokenizer for the whole job: rank 0 trains (or loads) it and sends it to all
-    tokenizer = Tokenizer.from_str(turns.from_rank0(lambda: get_tokenizer(cfg, train_bpe, resuming).to_str()))
+    # sources -> documents: the training documents, and the held-out ones set apart
+    documents = (stream_dataset.Corpus if cfg.stream else Corpus)(cfg, ckpt, turns)
+    # documents -> tokens: one tokenizer for the whole job, which rank 0 trains (or loads) and sends to all
+    tokenizer = Tokenizer.from_str(turns.from_rank0(
+        lambda: get_tokenizer(cfg, documents.train_tokenizer, resuming).to_str()))
     if model_fits:  # a model too big for the device is refused before tokenizing, and before anything is written
         turns.everywhere(lambda: model_fits(tokenizer.get_vocab_size()))
     if cfg.init_from:  # so is a model that --init-from's weights do not fit
         turns.everywhere(lambda: build.check_init_from(cfg, tokenizer.get_vocab_size()))
-    if cfg.stream:
-        train_ds = turns.everywhere(lambda: stream.dataset(tokenizer))  # a resume: what its checkpoint read
-        val_ds = turns.local_rank0_first(lambda: make_dataset(cfg, tokenizer, val_text, text_bytes=True))
-    else:
-        train_ds, val_ds = turns.local_rank0_first(lambda: make_datasets(cfg, tokenizer, train_text, val_text,
-                                                                         fingerprint))
-    if ckpt is not None and not cfg.stream:
-        turns.everywhere(lambda: check_same_packing(ckpt, cfg, train_ds))
+    # tokens -> windows -> rows: the training documents' (a resume: the rows its checkpoint trained
+    # on), and the held-out documents', which evaluation reads the same way on either path
+    train_ds = documents.training_rows(tokenizer)
+    val_ds = turns.local_rank0_first(lambda: make_dataset(cfg, tokenizer, documents.val_text, text_bytes=True))
     turns.everywhere(lambda: claim_out_dir(cfg, ckpt))  # only now: a refused run creates nothing
     return ckpt, tokenizer, train_ds, val_ds
+
+
+class Corpus:
+    """The documents of a map-style run: the whole corpus loaded (each node's local rank 0 first;
+    the others then read `datasets`' cache) and split into training and held-out documents
+    (load_text), and its fingerprint: a resumed run reads exactly the documents its checkpoint
+    was trained on. Its training rows are tokenized once, cached beside the corpus."""
+
+    def __init__(self, cfg: TrainConfig, ckpt: dict | None = None, turns=OneProcess()):
+        self.cfg, self.ckpt, self.turns = cfg, ckpt, turns
+        self.train_text, self.val_text, self.fingerprint = load_text(cfg, ckpt, turns)
+
+    def train_tokenizer(self) -> Tokenizer:
+        """A run without --tokenizer: a BPE of the training documents."""
+        return data.train_tokenizer(self.train_text, self.cfg.vocab_size)
+
+    def training_rows(self, tokenizer: Tokenizer):
+        """Every training document's windows in rows (make_dataset), at least one step's worth;
+        a resumed --pack run's the rows it trained on (check_same_packing)."""
+        cfg = self.cfg
+        train = self.turns.local_rank0_first(lambda: make_dataset(cfg, tokenizer, self.train_text,
+                                                                  corpus=self.fingerprint))
+        if len(train) < cfg.batch_size:  # not one step's worth
+            raise UsageError(f"dataset has {len(train)} training rows of --seq-len {cfg.seq_len} (from "
+                             f"{len(self.train_text)} documents), fewer than one --batch-size of {cfg.batch_size}")
+        if self.ckpt is not None:
+            self.turns.everywhere(lambda: check_same_packing(self.ckpt, cfg, train))
+        return train
 
 
 def claim_out_dir(cfg: TrainConfig, ckpt: dict | None):
@@ -143,13 +168,3 @@ def make_dataset(cfg: TrainConfig, tokenizer: Tokenizer, texts, text_bytes: bool
         return packing.PackedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts,
                                              packing=packing.pack(windows, cfg.seq_len, cfg.seed))
     return data.PaddedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts)
-
-
-def make_datasets(cfg: TrainConfig, tokenizer: Tokenizer, train_text, val_text, fingerprint: dict | None = None):
-    """The training and held-out datasets (make_dataset)."""
-    train = make_dataset(cfg, tokenizer, train_text, corpus=fingerprint)
-    val = make_dataset(cfg, tokenizer, val_text, text_bytes=True)
-    if len(train) < cfg.batch_size:  # not one step's worth
-        raise UsageError(f"dataset has {len(train)} training rows of --seq-len {cfg.seq_len} (from "
-                         f"{len(train_text)} documents), fewer than one --batch-size of {cfg.batch_size}")
-    return train, val

@@ -37,7 +37,7 @@ class Corpus:
     checkpoint's (record, states), checked for kind."""
 
     def __init__(self, cfg, ckpt: dict | None, turns):
-        self.cfg = cfg
+        self.cfg, self.turns = cfg, turns
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.saved = saved(ckpt)
         recorded = run.checked_record(self.saved[0]) if self.saved else None
@@ -48,7 +48,8 @@ class Corpus:
         if cfg.val_docs is None and recorded is not None:  # the run's own count: --val-docs was left out
             cfg.val_docs = recorded["held_out"]["count"]
         texts, held_out = turns.from_rank0(lambda: self._held_out(cfg.val_docs))
-        self.val_text, self.held_out = texts, HeldOut(**held_out)
+        # as the map-style path holds its own (at most 1000 by default: in memory, never cached on disk)
+        self.val_text, self.held_out = datasets.Dataset.from_dict({"text": texts}), HeldOut(**held_out)
         cfg.val_docs = self.held_out.count  # the number it stands for, in the checkpoints' train_config
         self.sizes = self.held_out.training_sizes(shards.piece_sizes(self.shards))
         cfg.sub_streams = run.sub_streams(cfg, world_size, self.sizes, recorded)  # recorded in train_config too
@@ -57,24 +58,20 @@ class Corpus:
         texts, held_out = holdout.validation_documents(self.source, self.shards, self.cfg.text_column, count)
         return texts, held_out.to_dict()
 
-    def val_texts(self) -> datasets.Dataset:
-        """The held-out documents as the map-style path holds its own (at most 1000 by default:
-        kept in memory, never cached on disk), to be evaluated as map-style runs are."""
-        return datasets.Dataset.from_dict({"text": self.val_text})
-
     def train_tokenizer(self):
         """A run without --tokenizer: a BPE of the training documents from the stream's start."""
         return holdout.train_stream_tokenizer(self.source, self.shards, self.cfg.text_column,
                                               self.cfg.vocab_size, self.held_out)
 
-    def dataset(self, tokenizer) -> "StreamedDataset":
-        """The training data, once the tokenizer is known: a resume must read what its checkpoint
-        read (run.check_resume: one line naming the first change, nothing written)."""
+    def training_rows(self, tokenizer) -> "StreamedDataset":
+        """The training data, once the tokenizer is known, read as training goes: a resume must
+        read what its checkpoint read (run.check_resume: one line naming the first change,
+        nothing written)."""
         pin = self.source.pin if isinstance(self.source, HubSource) else None
         record = run.record(self.cfg, self.shards, self.held_out, self.cfg.sub_streams, tokenizer, pin)
         if self.saved:
-            run.check_resume(self.saved[0], record, "the checkpoint")
-        return StreamedDataset(self, tokenizer, record)
+            self.turns.everywhere(lambda: run.check_resume(self.saved[0], record, "the checkpoint"))
+        return self.turns.everywhere(lambda: StreamedDataset(self, tokenizer, record))
 
 
 def saved(ckpt: dict | None) -> tuple[dict, dict] | None:
