@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
-from benchmarks.bench_stream import on_gloo_ranks
+from benchmarks.stream_state import on_gloo_ranks
 from test_stream_rows import SEED, Corpus, corpus, small_pieces, through_a_checkpoint, tokenizer  # noqa: F401
 from test_stream_shards import write, write_lines
 from training.errors import UsageError

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import data
-from benchmarks import bench_stream
+from benchmarks import bench_stream, stream_state
 from test_stream_holdout import SHARDS
 from test_stream_loader import STREAMS, equal, expected_batches, feed_of, global_batch, local_rows, same_steps
 from test_stream_rows import corpus, small_pieces, through_a_checkpoint, tokenizer  # noqa: F401
@@ -233,7 +233,7 @@ def test_states_gathered_from_two_ranks_resume_at_one_two_and_four(corpus, token
             for _ in range(cut):
                 next(feed)
             return run.gather_states(feed, group), feed.state_dict()
-        (gathered, state_0), (nothing, state_1) = bench_stream.on_gloo_ranks(2, gather)
+        (gathered, state_0), (nothing, state_1) = stream_state.on_gloo_ranks(2, gather)
         assert nothing is None and list(gathered) == list(range(STREAMS))
         assert same_state(gathered, dict(sorted({**state_0, **state_1}.items())))
         saved = through_a_checkpoint({"states": gathered})["states"]
@@ -259,7 +259,7 @@ def test_read_aheads_states_are_gathered_those_of_the_steps_the_loop_took(corpus
         for _ in range(3):
             next(batches)
         return run.gather_states(batches, group)
-    gathered = bench_stream.on_gloo_ranks(2, gather)[0]
+    gathered = stream_state.on_gloo_ranks(2, gather)[0]
     resumed = feed_of(corpus, tokenizer, True, 2, 1)
     resumed.load_state_dict(run.owned_states(through_a_checkpoint(gathered), STREAMS, 2, 1))
     assert same_steps(list(resumed), everything[3:])
@@ -313,7 +313,7 @@ def test_bench_stream_launches_streamed_runs_that_write_only_their_run_folder(tm
     run of the same corpus leaves its tokens in the cache (which the column would miss were it not the run's)."""
     from benchmarks import bench_data
     generated = bench_data.prepared_corpus(argparse.Namespace(data=None, mb=1, data_dir=str(tmp_path)))
-    results = bench_stream.main(["--data", str(bench_stream.in_row_groups(generated, 4)), "--vocab-size", "300",
+    results = bench_stream.main(["--data", str(stream_state.in_row_groups(generated, 4)), "--vocab-size", "300",
                                  "--sections", "launch", "--launches", "stream", "stream-2-ranks", "map-style"])
     runs = results["launch"][None]
     assert list(runs) == ["stream", "stream-2-ranks", "map-style"]
