@@ -70,7 +70,7 @@ def main():
     model = DDP(raw_model, device_ids=[local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True,
                 **launch.NO_BUFFER_SYNC)  # why these two options: training/launch.py
 
-    if not cfg.stream:  # --stream: each rank's feed is made in the loop (docs/streaming.md)
+    if not cfg.stream:  # --stream: train_ds reads its own sub-streams, read_ahead() below (docs/streaming.md)
         # each rank reads every world_size-th sample of the epoch's permutation: together, train_dp.py's batch
         sampler = data.ResumableDistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True,
                                                    seed=cfg.seed, drop_last=True)

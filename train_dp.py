@@ -53,7 +53,7 @@ def main():
     # DataParallel: one process drives every visible GPU (uncompiled: config.py refuses --compile there)
     model = nn.DataParallel(raw_model) if gpus > 1 else raw_model
 
-    if not cfg.stream:  # --stream: each rank's feed is made in the loop (docs/streaming.md)
+    if not cfg.stream:  # --stream: train_ds reads its own sub-streams, read_ahead() below (docs/streaming.md)
         # each epoch a permutation of seed + epoch alone: train_ddp.py deals the same one to its ranks
         sampler = data.ResumableRandomSampler(train_ds, seed=cfg.seed)
         loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, drop_last=True,

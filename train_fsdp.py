@@ -97,7 +97,7 @@ def main():
         run_folder.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
     model = raw_model  # FSDP: sharded in place, no wrapper
 
-    if not cfg.stream:  # --stream: each rank's feed is made in the loop (docs/streaming.md)
+    if not cfg.stream:  # --stream: train_ds reads its own sub-streams, read_ahead() below (docs/streaming.md)
         # each rank reads every world_size-th sample of the epoch's permutation: together, train_dp.py's batch
         sampler = data.ResumableDistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True,
                                                    seed=cfg.seed, drop_last=True)
