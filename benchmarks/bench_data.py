@@ -25,10 +25,12 @@ Python lists, beside what one H100 trains.
 """
 
 import argparse
+import atexit
 import math
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -210,12 +212,28 @@ def bpe(path: Path, vocab_size: int, texts: list[str] | None = None) -> Path:
 
 # ---- the rows -------------------------------------------------------------------------------
 
+_CACHES = []  # fresh_cache's folders, removed as the process ends (remove_caches)
+
+
 def fresh_cache():
-    """A `datasets` cache of its own for each row, so no row reads another's results."""
+    """A `datasets` cache of its own for each row, so no row reads another's results. Removed
+    when the process ends at the latest: its tokenized rows may be read until then (gpu_report.py
+    times batches of them), and a benchmark run in a test's process or a report's left one
+    behind in the temporary folder each time."""
     import datasets
     folder = tempfile.mkdtemp(prefix="bench_data_cache_")
+    if not _CACHES:
+        atexit.register(remove_caches)
+    _CACHES.append(folder)
     datasets.config.HF_DATASETS_CACHE = Path(folder)
     return folder
+
+
+def remove_caches():
+    """Every folder fresh_cache made, removed: at exit, or by a process that leaves with
+    os._exit (gpu_report.py's workers), which runs no exit handler."""
+    while _CACHES:
+        shutil.rmtree(_CACHES.pop(), ignore_errors=True)
 
 
 def raw_encode_batch(texts, tokenizer):
@@ -313,7 +331,7 @@ def main():
         if "train" in made:  # the loader reads this tokenized cache: measured before it goes
             loader = {"before: a row at a time": loader_rows_per_s(one_row_at_a_time(made["train"]), args.batch_size),
                       "ours: a batch at a time": loader_rows_per_s(made.pop("train"), args.batch_size)}
-        __import__("shutil").rmtree(cache, ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
     raw, new = (seconds for _, seconds in rows)
     print(f"\nours vs raw encode_batch: {raw / new:.2f}x its throughput (target: 0.8x or more)")
     print(f"\nThe loader: batches of {args.batch_size} x {args.seq_len} from the tokenized cache, shuffled, in the "

@@ -2,6 +2,7 @@
 figures in metrics.jsonl are computed from a FLOP count that matches PyTorch's own."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -592,3 +593,18 @@ def test_train_ddp_builds_its_ddp_with_those_options(corpus, tmp_path, monkeypat
     run_in_process("train_ddp.py", ["--dataset", str(corpus), *FAST, "--max-steps", "1", "--out-dir",
                                     str(tmp_path / "run")])
     assert [{name: kwargs.get(name) for name in DDP_OPTIONS} for kwargs in built] == [DDP_OPTIONS]
+
+
+def test_a_benchmarks_datasets_cache_is_removed_when_its_process_ends(tmp_path):
+    """bench_data.fresh_cache gives each row a `datasets` cache of its own in the temporary folder;
+    the process that made it (a benchmark, a GPU report, a test's worker) removes it as it ends,
+    whether or not the benchmark did: gpu_report.py reads the rows until then, and left two behind
+    on every run."""
+    program = "from benchmarks import bench_data; print(bench_data.fresh_cache())"
+    made = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert made.returncode == 0, made.stderr
+    folder = Path(made.stdout.strip())
+    assert folder.parent == tmp_path and folder.name.startswith("bench_data_cache_")
+    assert not folder.exists() and list(tmp_path.iterdir()) == []
+
