@@ -1,7 +1,7 @@
 """Run a training script (argv[1:]) with one fault injected, for the failure tests.
 
 FAULT picks the fault (or several, comma-separated), FAULT_STEP the optimizer step at which
-it strikes (counted by calls to AdamW.step, once per step), FAULT_RANK the rank (default
+it strikes (counted by calls to build.AdamW.step, once per step), FAULT_RANK the rank (default
 0). It strikes in the
 first attempt only: after torchrun restarts the workers, the run goes on unharmed.
     kill              SIGKILL this process (a dead GPU, the OOM killer); with FAULT_AFTER_FILE, once
@@ -44,7 +44,9 @@ first attempt only: after torchrun restarts the workers, the run goes on unharme
                       after FAULT_STEP (in the reading thread: no read is under way); zero-windows: cut
                       to its first KiB and grown back to its size, zeros where its windows were
     none              no fault: the run as it is, only recorded
-Each process records how it ended in $FAULT_LOG_DIR/exit-rank<RANK>.txt. Whatever the fault
+Each process records how it ended in $FAULT_LOG_DIR/exit-rank<RANK>.txt, and in ran-rank<RANK>.txt
+how many seconds the script itself ran (its start to its end: torchrun's launch, this file's
+imports and a fault's wait before the script starts left out). Whatever the fault
 patched is restored when the script ends, so that a test can run this in its own process.
 """
 
@@ -58,13 +60,16 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for training.build
+from training import build  # noqa: E402 (the trainers' AdamW, a subclass of torch's)
+
 faults, at_step = os.environ["FAULT"].split(","), int(os.environ["FAULT_STEP"])
 rank = os.environ.get("RANK", "0")
 armed = ((rank == os.environ.get("FAULT_RANK", "0") or "diverge-mid-save" in faults)
          and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
 reached = threading.Event()
 steps = 0
-real_step = torch.optim.AdamW.step
+real_step = build.AdamW.step
 patched = []  # (object, name, original): put back at the end
 
 
@@ -105,7 +110,7 @@ def step_and_count(*args, **kwargs):
     return real_step(*args, **kwargs)
 
 
-patch(torch.optim.AdamW, "step", step_and_count)
+patch(build.AdamW, "step", step_and_count)
 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))
 if "slow-disk" in faults and armed:
     from torch.distributed.checkpoint import FileSystemWriter
@@ -267,7 +272,25 @@ if "same-rank" in faults and armed:
 if "other-world-size" in faults and armed:
     os.environ["WORLD_SIZE"] = str(int(os.environ["WORLD_SIZE"]) + 1)
 
-status = "exception"
+
+
+def record(status: str):
+    """How this process ended, and how long its script ran, for the test to read."""
+    for name, value in [("exit", status), ("ran", f"{time.monotonic() - started:.3f}")]:
+        with open(os.path.join(os.environ["FAULT_LOG_DIR"], f"{name}-rank{rank}.txt"), "w") as f:
+            f.write(value)
+
+
+def recorded_exit(status, real_exit=os._exit, pid=os.getpid()):
+    """os._exit, recorded first where the rank itself takes it (check_cluster.py's end() does), not a
+    child it forked (a DataLoader worker ends with os._exit too)."""
+    if os.getpid() == pid:
+        record(str(status))
+    real_exit(status)
+
+
+patch(os, "_exit", recorded_exit)
+status, started = "exception", time.monotonic()
 try:
     sys.argv = sys.argv[1:]
     runpy.run_path(sys.argv[0], run_name="__main__")
@@ -281,5 +304,4 @@ finally:
             delattr(obj, name)
         else:
             setattr(obj, name, original)
-    with open(os.path.join(os.environ["FAULT_LOG_DIR"], f"exit-rank{rank}.txt"), "w") as f:
-        f.write(status)
+    record(status)

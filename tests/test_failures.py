@@ -18,7 +18,7 @@ import torch
 from conftest import (FAST, FAST_WITH_TOKENIZER, REPO, ddp_two_ranks, launch_env, load_weights, max_weight_diff,
                       metrics, run_script, script_in_process, stopped_at_step_4, train, without_speed, write_corpus)
 from benchmarks.gpu_report import descendants
-from training import pt_checkpoint, stopping, weights
+from training import build, pt_checkpoint, stopping, weights
 from training.config import TrainConfig
 from training.errors import UsageError
 
@@ -723,7 +723,7 @@ def test_weights_made_non_finite_by_a_step_that_logs_no_loss_are_never_saved(run
     NaN by the update of step 3, which logs nothing (--log-every 2), ends the run with one line
     at step 3, before checkpoint 3 is written; those of steps 1 and 2 stay. (The --lr 100 run
     below never needs this check: its loss turns non-finite first.)"""
-    real_step, steps = torch.optim.AdamW.step, []
+    real_step, steps = build.AdamW.step, []
 
     def step_then_spoil_a_weight(self, *args, **kwargs):
         result = real_step(self, *args, **kwargs)
@@ -734,7 +734,7 @@ def test_weights_made_non_finite_by_a_step_that_logs_no_loss_are_never_saved(run
                 (weight.to_local() if hasattr(weight, "to_local") else weight).view(-1)[0] = float("nan")
         return result
 
-    monkeypatch.setattr(torch.optim.AdamW, "step", step_then_spoil_a_weight)
+    monkeypatch.setattr(build.AdamW, "step", step_then_spoil_a_weight)
     out = tmp_path / "run"
     assert script_in_process(script, train_args(runs, out, "--save-every", "1")) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]

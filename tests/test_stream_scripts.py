@@ -26,7 +26,7 @@ from conftest import (FAST, FAST_WITH_TOKENIZER, REPO, assert_same_model, assert
 from model import IGNORE_INDEX, LlamaForPretraining
 from test_bad_inputs import refused_in_process, snapshot
 from test_failures import exit_codes, fault_env
-from training import corpus
+from training import build, corpus
 from training.stream import holdout, order, shards
 
 WORDS = ("the model reads tokens and predicts the next one while gradients flow back "
@@ -300,14 +300,14 @@ def test_a_parquet_damaged_during_the_run_stops_it_in_one_line_and_resumes_once_
     chunk = pq.ParquetFile(path).metadata.row_group(piece).column(0)
     middle = (chunk.dictionary_page_offset or chunk.data_page_offset) + chunk.total_compressed_size // 2
 
-    def damaged_after_step_1(*args, real_step=torch.optim.AdamW.step, **kwargs):
+    def damaged_after_step_1(*args, real_step=build.AdamW.step, **kwargs):
         damaged_after_step_1.steps += 1
         if damaged_after_step_1.steps == 1:
             path.write_bytes(good[:len(good) // 2] if damage == "truncated"
                              else good[:middle] + bytes(16) + good[middle + 16:])
         return real_step(*args, **kwargs)
     damaged_after_step_1.steps = 0
-    monkeypatch.setattr(torch.optim.AdamW, "step", damaged_after_step_1)
+    monkeypatch.setattr(build.AdamW, "step", damaged_after_step_1)
     out = tmp_path / "run"
     args = ["--stream", "--dataset", str(folder), "--tokenizer", str(tokenizer_file), *FAST_WITH_TOKENIZER, *MID_RUN,
             "--out-dir", str(out)]

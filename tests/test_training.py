@@ -111,7 +111,7 @@ def test_output_folder_holds_what_the_readme_promises(runs):
     assert data.load_tokenizer(out / "tokenizer.json").get_vocab_size() == 300
 
 
-@pytest.mark.parametrize("script", ["train_dp.py", "train_fsdp.py"])
+@pytest.mark.parametrize("script", ["train_dp.py", "train_ddp.py", "train_fsdp.py"])
 def test_with_device_cpu_on_a_gpu_machine_no_cuda_context_is_opened(runs, tmp_path, monkeypatch, capsys, script):
     """--device cpu where torch sees GPUs: a run, a save and a resume never open a CUDA context
     (0.3-0.5 GiB of GPU 0 in every rank). Faked here: torch says it has a GPU, and anything that
@@ -286,7 +286,7 @@ def test_gradient_clipping_clips_the_global_norm(corpus, tmp_path, monkeypatch):
     is still computed, for the log)."""
     def grad_norms(clip):
         before, after = [], []
-        real_clip, real_step = torch.nn.utils.clip_grad_norm_, torch.optim.AdamW.step
+        real_clip, real_step = torch.nn.utils.clip_grad_norm_, build.AdamW.step
 
         def clip_and_record(params, max_norm, *args, **kwargs):
             norm = real_clip(list(params), max_norm, *args, **kwargs)  # returns the norm before clipping
@@ -300,7 +300,7 @@ def test_gradient_clipping_clips_the_global_norm(corpus, tmp_path, monkeypatch):
 
         with monkeypatch.context() as m:
             m.setattr(torch.nn.utils, "clip_grad_norm_", clip_and_record)
-            m.setattr(torch.optim.AdamW, "step", step_and_record)
+            m.setattr(build.AdamW, "step", step_and_record)
             run_in_process("train_dp.py", ["--dataset", str(corpus), *FAST, "--grad-clip", str(clip),
                                            "--out-dir", str(tmp_path / f"clip{clip}")])
         return before, after

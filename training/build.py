@@ -81,11 +81,31 @@ def check_init_from(cfg: TrainConfig, vocab_size: int):
                          "integers): no run can start from these weights")
 
 
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW, less one question on a CPU. A CUDA build's step() first asks the current
+    CUDA stream whether it is capturing a graph. Newer torch (2.13 and 2.14 here) asks through
+    torch.accelerator.current_stream(): in a --device cpu run on a machine with GPUs, that opens a
+    CUDA context on GPU 0 in every process (0.3-0.5 GiB each) at the first step; older torch asks
+    torch.cuda.is_current_stream_capturing(), which starts CUDA's runtime in the process. Tensors
+    on a CPU are never captured: the question is asked only where the weights are on a GPU."""
+
+    def _on_gpu(self) -> bool:
+        return self.param_groups[0]["params"][0].device.type != "cpu"
+
+    def _accelerator_graph_capture_health_check(self):  # newer torch's name for the question
+        if self._on_gpu():
+            super()._accelerator_graph_capture_health_check()
+
+    def _cuda_graph_capture_health_check(self):  # older torch's
+        if self._on_gpu():
+            super()._cuda_graph_capture_health_check()
+
+
 def optimizer(model: torch.nn.Module, cfg: TrainConfig, total_steps: int):
     # Decay matrices and embeddings; RMSNorm gains (1-D) stay undecayed, as usual for Llama.
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
+    optimizer = AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr, betas=(0.9, 0.99), eps=1e-8,
         fused=decay[0].is_cuda)  # one kernel for the whole update on GPUs
