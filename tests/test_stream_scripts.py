@@ -147,6 +147,25 @@ def test_a_resume_with_a_changed_flag_is_one_line_touching_nothing(half, mixed, 
                        capsys)
 
 
+@pytest.fixture(scope="module")
+def half_packed(mixed, tmp_path_factory):
+    """`half`, packed: its sub-streams' states hold their packers' open rows."""
+    out = tmp_path_factory.mktemp("half-packed") / "run"
+    run_in_process("train_dp.py", [*streamed(mixed, "--pack", "--stop-at-step", "4"), "--out-dir", str(out)])
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert saved["step"] == 4 and saved["stream"]["record"]["pack"] is True
+    return out
+
+
+def test_a_packed_run_resumed_without_pack_is_the_records_line_touching_nothing(half_packed, mixed, tmp_path, capsys):
+    """FLAG_CHANGES' "pack" the other way round: the record's line names --pack in both
+    directions, before the sub-streams' states are loaded (whose own line, "are packed, and this
+    run's are padded", would name no flag to resume with)."""
+    refused_in_process("train_dp.py", streamed(mixed, "--resume"), copy(half_packed, tmp_path / "run"),
+                       "the checkpoint was trained with --pack (its rows hold several windows each): resume with "
+                       "--pack", capsys)
+
+
 def test_a_checkpoint_of_the_other_mode_is_one_line_touching_nothing(runs, half, mixed, tmp_path, capsys):
     """A map-style checkpoint resumed with --stream, and a streamed one without: their data
     positions count other things."""
