@@ -1,10 +1,12 @@
 """The data: framing into windows and padding, the tokenizer, tokenization done once, and a
 sampler that gives every world size the same global batches."""
 
+import contextlib
 import json
 import os
 import shutil
 import stat
+import threading
 
 import datasets
 import pytest
@@ -184,6 +186,71 @@ def test_a_windows_cache_that_is_not_a_regular_file_is_one_line_and_left_as_it_i
                                   "replace it with the file it should be, or remove it")
     assert (stat.S_ISFIFO if kind == "fifo" else stat.S_ISDIR)(os.stat(path).st_mode)
     os.unlink(path) if kind == "fifo" else shutil.rmtree(path)
+    assert list(data.tokenize(texts, tokenizer, seq_len=16)["input_ids"]) == windows  # removed: tokenized again
+
+
+@pytest.fixture
+def windows_of_two_processes(tokenizer, tmp_path, monkeypatch):
+    """10,000 documents tokenized by 2 processes (data.tokenize's split, on any machine), as
+    `datasets` caches them: a file a process, cache-KEY_00000_of_00002.arrow and _00001_of_00002.
+    (texts, windows, the cache files)."""
+    monkeypatch.setattr(data, "usable_cores", lambda: 2)
+    (tmp_path / "c.txt").write_text("".join(f"document {i} of the corpus, read by one of two processes\n"
+                                            for i in range(10_000)))
+    texts = corpus.load_corpus(str(tmp_path / "c.txt"))
+    windows = data.tokenize(texts, tokenizer, seq_len=16)
+    files = [f["filename"] for f in windows.cache_files]
+    assert [f[f.rindex("_", 0, f.rindex("_of_")):] for f in files] == ["_00000_of_00002.arrow", "_00001_of_00002.arrow"]
+    return texts, list(windows["input_ids"]), files
+
+
+@contextlib.contextmanager
+def never_blocking(fifo):
+    """A FIFO that code under test may open to read, which would wait forever for a writer: a
+    thread waits to write to it, so that such a read ends at once (end of file: the test fails,
+    and does not hang); at the end the test opens it to read itself, which lets the thread go.
+    Both reach it through a handle (O_PATH, opened by neither) that holds it even once the code
+    has replaced or removed it."""
+    handle = os.open(fifo, os.O_PATH)
+    itself = f"/proc/self/fd/{handle}"
+    thread = threading.Thread(target=lambda: os.close(os.open(itself, os.O_WRONLY)), daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        reader = os.open(itself, os.O_RDONLY | os.O_NONBLOCK)
+        thread.join()  # its open returns while a reader holds the FIFO open
+        os.close(reader)
+        os.close(handle)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fifo", "link-to-dev-zero", "folder"])
+def test_a_cache_file_of_one_of_several_processes_that_is_not_a_regular_file_is_one_line(tokenizer,
+                                                                                        windows_of_two_processes,
+                                                                                        kind):
+    """10,000 documents or more on 2 cores or more are tokenized by a process a core, and their
+    cache is a file a process: each is checked before anything reads it, not the first alone or
+    the single-process name (a FIFO in the second process's place blocked the run forever; a
+    link to /dev/zero was read). Refused in one line naming it, left as it is; removed, the
+    corpus is tokenized again."""
+    texts, windows, files = windows_of_two_processes
+    path = files[1]
+    os.unlink(path)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        os.mkdir(path)
+    else:
+        os.symlink("/dev/zero", path)
+    with never_blocking(path) if kind == "fifo" else contextlib.nullcontext():
+        with pytest.raises(UsageError) as refused:
+            data.tokenize(texts, tokenizer, seq_len=16)
+    assert str(refused.value) == (f"the cached windows {path} is not a regular file (a FIFO, a device or a folder): "
+                                  "replace it with the file it should be, or remove it")
+    made = {"fifo": stat.S_ISFIFO, "folder": stat.S_ISDIR, "link-to-dev-zero": stat.S_ISLNK}[kind]
+    assert made(os.lstat(path).st_mode) and os.path.isfile(files[0])
+    os.rmdir(path) if kind == "folder" else os.unlink(path)
     assert list(data.tokenize(texts, tokenizer, seq_len=16)["input_ids"]) == windows  # removed: tokenized again
 
 

@@ -60,6 +60,24 @@ def test_each_epoch_and_each_seed_deal_otherwise():
     assert deals[(1, 0)] != deals[(0, 1)]  # seeded by the pair: not seed + epoch
 
 
+@pytest.mark.parametrize("seed", [0, 7, SEED])
+def test_the_sub_streams_follow_the_deal_of_their_own_seed(seed):
+    """SubStreams, which every cursor of a run reads by (and so every row it trains), deals by
+    the seed it is given, epoch after epoch, and names that deal in every cursor's state: 20
+    pieces into 4 sub-streams, where the three seeds deal otherwise in every epoch (asserted, so
+    that a seed fixed anywhere on the way cannot pass). test_stream_scripts.py holds the other
+    end: a script's --seed reaching it."""
+    sizes = [10] * 20
+    sub_streams, others = SubStreams(sizes, 4, seed), [other for other in (0, 7, SEED) if other != seed]
+    for epoch in range(3):
+        dealt = deal(sizes, 4, seed, epoch)
+        assert [sub_streams.pieces(stream, epoch) for stream in range(4)] == dealt
+        assert dealt == deal(sizes, 4, seed, epoch) and all(deal(sizes, 4, other, epoch) != dealt for other in others)
+    first = [Cursor(sub_streams, stream).state_dict()["dealt"] for stream in range(4)]
+    assert all(first != [Cursor(SubStreams(sizes, 4, other), stream).state_dict()["dealt"] for stream in range(4)]
+               for other in others)
+
+
 def test_a_corpus_with_fewer_pieces_of_data_than_sub_streams_is_refused():
     with pytest.raises(UsageError, match=r"^the corpus has 1 pieces that hold data .* fewer than the 2 sub-streams"):
         SubStreams([3, 0, 0], 2, SEED)

@@ -176,6 +176,32 @@ def test_a_state_taken_after_any_row_resumes_with_the_rest(corpus, tokenizer, st
             next(uninterrupted, None)
 
 
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+def test_the_targets_a_state_counts_are_the_real_targets_of_the_rows_handed_out(corpus, tokenizer, pack):
+    """A sub-stream's state counts the real targets of every row it has handed out: a resumed
+    run's tokens_seen starts from their sum over the sub-streams (dataset.StreamedDataset). Real
+    targets are the positions neither padding nor ignored: after every row, the count is theirs,
+    through both epochs and the packer's flush; in all, every window's targets (its tokens but
+    the first), which the padding of the rows outnumbers. Saved and loaded after any row, the
+    count goes on from where it stood."""
+    streams, stream = 2, 1
+    rows, made, states = rows_of(corpus, tokenizer, streams, stream, pack), [], []
+    assert rows.state_dict()["targets"] == 0
+    for row in rows:
+        made.append(row)
+        states.append(through_a_checkpoint(rows.state_dict()))
+    real = list(itertools.accumulate(int((row[1] != IGNORE_INDEX).sum()) for row in made))
+    assert [state["targets"] for state in states] == real
+    windows = windows_of_whole_documents(texts_of(corpus, streams, stream), tokenizer, SEQ_LEN)
+    assert real[-1] == sum(len(window) - 1 for window in windows) < sum(row[1].numel() for row in made)
+    for cut, state in enumerate(states):
+        resumed = rows_of(corpus, tokenizer, streams, stream, pack)
+        resumed.load_state_dict(state)
+        assert resumed.state_dict()["targets"] == real[cut]
+        counted = [resumed.state_dict()["targets"] for _ in resumed]
+        assert counted == real[cut + 1:], cut
+
+
 def test_the_end_is_the_packers_flush_oldest_first_then_stop_iteration_at_every_later_call(corpus, tokenizer):
     rows, made, states = rows_of(corpus, tokenizer, 1, 0, pack=True), [], []
     for row in rows:

@@ -114,6 +114,21 @@ def test_a_resume_names_the_change_in_one_line(folder, tmp_path, tokenizer, anot
     assert CHANGES[change] in one_line(run.check_resume, recorded, now, "the checkpoint")
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["pack-added", "pack-dropped"])
+def test_a_resume_that_adds_or_drops_pack_is_one_line_either_way(folder, tmp_path, tokenizer, packed):
+    """--pack decides what a row holds (several windows, or one) and what every sub-stream's
+    state holds (a packer's open rows, or none): a resume with --pack of a run without it, and
+    one without it of a run with it, are each this record's line, not a later one of the
+    states'."""
+    flags = ["--pack"] if packed else []
+    recorded = through_a_checkpoint({"record": record_of(cfg_of(folder, tmp_path, *flags), folder, tokenizer)})
+    now = record_of(cfg_of(folder, tmp_path, *([] if packed else ["--pack"])), folder, tokenizer)
+    said, rows = ("with", "several windows") if packed else ("without", "one window")
+    assert one_line(run.check_resume, recorded["record"], now) == (
+        f"the checkpoint was trained {said} --pack (its rows hold {rows} each): resume {said} --pack")
+    run.check_resume(recorded["record"], record_of(cfg_of(folder, tmp_path, *flags), folder, tokenizer))
+
+
 def test_a_resume_with_or_without_stream_unlike_its_run_is_one_line(folder, tmp_path, tokenizer):
     recorded = record_of(cfg_of(folder, tmp_path), folder, tokenizer)
     assert "checkpoint-00000004.pt was trained with --stream: resume with it" in one_line(

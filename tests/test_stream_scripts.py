@@ -147,6 +147,40 @@ def test_a_resume_with_a_changed_flag_is_one_line_touching_nothing(half, mixed, 
                        capsys)
 
 
+@pytest.fixture(scope="module")
+def half_packed(mixed, tmp_path_factory):
+    """`half`, packed: its sub-streams' states hold their packers' open rows."""
+    out = tmp_path_factory.mktemp("half-packed") / "run"
+    run_in_process("train_dp.py", [*streamed(mixed, "--pack", "--stop-at-step", "4"), "--out-dir", str(out)])
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert saved["step"] == 4 and saved["stream"]["record"]["pack"] is True
+    return out
+
+
+def test_a_packed_run_resumed_without_pack_is_the_records_line_touching_nothing(half_packed, mixed, tmp_path, capsys):
+    """FLAG_CHANGES' "pack" the other way round: the record's line names --pack in both
+    directions, before the sub-streams' states are loaded (whose own line, "are packed, and this
+    run's are padded", would name no flag to resume with)."""
+    refused_in_process("train_dp.py", streamed(mixed, "--resume"), copy(half_packed, tmp_path / "run"),
+                       "the checkpoint was trained with --pack (its rows hold several windows each): resume with "
+                       "--pack", capsys)
+
+
+def test_the_runs_seed_decides_its_deal(mixed, tmp_path):
+    """--seed reaches a streamed run's deal, not only its record: a run at --seed 7 stopped at
+    step 2 holds every sub-stream's cursor in seed 7's deal of this corpus, which is not the
+    default seed's (1337: every other run here), so that a seed lost on the way (the default
+    dealt instead) fails here."""
+    out = tmp_path / "run"
+    run_in_process("train_dp.py", [*streamed(mixed, "--seed", "7", "--stop-at-step", "2"), "--out-dir", str(out)])
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)["stream"]
+    assert saved["record"]["seed"] == 7 and dealt(mixed, 9, 4, seed=7) != dealt(mixed, 9, 4)
+    cursors = [saved["states"][stream]["cursor"] for stream in range(4)]
+    assert [cursor["epoch"] for cursor in cursors] == [0] * 4
+    sub_streams = order.SubStreams(training_sizes(mixed, 9), 4, 7)
+    assert [cursor["dealt"] for cursor in cursors] == [sub_streams.fingerprint(stream, 0) for stream in range(4)]
+
+
 def test_a_checkpoint_of_the_other_mode_is_one_line_touching_nothing(runs, half, mixed, tmp_path, capsys):
     """A map-style checkpoint resumed with --stream, and a streamed one without: their data
     positions count other things."""
@@ -251,13 +285,18 @@ def test_a_world_size_that_does_not_divide_the_sub_streams_is_one_line_on_every_
 # A shard that cannot be read mid-run
 
 
-def dealt(folder, val_docs: int, streams: int, seed: int = 1337) -> list[list[tuple[str, int]]]:
-    """Each sub-stream's pieces in epoch 0, in reading order, as (shard name, piece in it)."""
+def training_sizes(folder, val_docs: int) -> list[int]:
+    """The sizes of the corpus's pieces as a run deals them: the held-out documents left out."""
     found = shards.find_shards(str(folder), "text")
     _, held_out = holdout.validation_documents(str(folder), found, "text", val_docs)
-    listed = shards.corpus_pieces(found)
-    sizes = held_out.training_sizes(shards.piece_sizes(found))
-    return [[(listed[p][0].name, listed[p][1]) for p in pieces] for pieces in order.deal(sizes, streams, seed, 0)]
+    return held_out.training_sizes(shards.piece_sizes(found))
+
+
+def dealt(folder, val_docs: int, streams: int, seed: int = 1337) -> list[list[tuple[str, int]]]:
+    """Each sub-stream's pieces in epoch 0, in reading order, as (shard name, piece in it)."""
+    listed = shards.corpus_pieces(shards.find_shards(str(folder), "text"))
+    return [[(listed[p][0].name, listed[p][1]) for p in pieces]
+            for pieces in order.deal(training_sizes(folder, val_docs), streams, seed, 0)]
 
 
 def error_line(stderr: str) -> str:
