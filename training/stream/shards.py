@@ -225,7 +225,7 @@ def _documents(path: Path | str, shard: Shard, piece: int, start_row: int, text_
                          "when listed: it changed during the run")
     if shard.kind == "parquet":
         return _parquet_documents(path, piece, rows, start_row, text_column)
-    return json_lines.documents(path, _open, shard.kind, start_row, text_column)
+    return json_lines.documents(path, _open, shard.kind, shard.size, start_row, text_column)
 
 
 def _parquet_documents(path: Path | str, piece: int, rows: int, start_row: int, text_column: str):
