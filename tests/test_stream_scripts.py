@@ -354,6 +354,60 @@ def test_a_bad_json_line_one_rank_meets_ends_every_rank_in_one_line_promptly(tok
     assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 14
 
 
+def test_a_shard_rewritten_where_the_resume_reads_it_again_is_one_line_touching_nothing(tokenizer_file, tmp_path,
+                                                                                        capsys):
+    """A document a sub-stream read before its checkpoint, in the piece it is in, rewritten at
+    the same size past the shard's first 64 KiB (each file's first line carries 64 KiB of
+    metadata): the shards' size and digest pass, and the resume reads that document again to
+    reach its cursor, where its digest no longer chains (training/stream/integrity.py): one
+    line naming the shard and the cursor's line, exit 2, nothing written."""
+    folder = tmp_path / "shards"
+    for i in range(4):
+        write(folder / f"j{i}.jsonl", documents(16, 10 + i), first_line_extra="x" * 65536)
+    out = tmp_path / "run"
+    args = ["--stream", "--dataset", str(folder), "--tokenizer", str(tokenizer_file), *FAST_WITH_TOKENIZER, *MID_RUN]
+    run_in_process("train_dp.py", [*args, "--stop-at-step", "3", "--out-dir", str(out)])
+    capsys.readouterr()  # its progress
+    states = torch.load(out / "checkpoint.pt", weights_only=True)["stream"]["states"]
+    pieces = dealt(folder, 9, 2)
+    stream, cursor = next((s, state["cursor"]) for s, state in states.items()
+                          if state["cursor"]["row"] > (9 if pieces[s][state["cursor"]["piece"]][0] == "j0.jsonl" else 1))
+    path = folder / pieces[stream][cursor["piece"]][0]
+    lines = path.read_bytes().split(b"\n")
+    read_line = cursor["row"] - 1  # read whole before the checkpoint (and past the file's first 64 KiB)
+    at = lines[read_line].index(b'"text": "') + 9
+    lines[read_line] = lines[read_line][:at] + lines[read_line][at:at + 1].upper() + lines[read_line][at + 1:]
+    path.write_bytes(b"\n".join(lines))
+    refused_in_process("train_dp.py", [*args, "--resume"], out,
+                       f"error: shard {path}, line {cursor['row'] + 1}: the documents before it differ from those the "
+                       "run read there: the shard was rewritten since the run read it", capsys)
+
+
+def test_a_json_lines_shard_cut_short_while_it_is_read_stops_the_run_in_one_line(tokenizer_file, tmp_path,
+                                                                                monkeypatch, capsys):
+    """After step 1 both shards are cut to their first 40 lines, under the sub-streams reading
+    them (one each, a few lines in): where the pieces used to end there without a word and the
+    run trained on, it ends in one line naming the file and the line after the cut, exit 2."""
+    folder = tmp_path / "shards"
+    for i in range(2):
+        write(folder / f"j{i}.jsonl", documents(400, 20 + i, words=(30, 60)))
+
+    def cut_after_step_1(*args, real_step=torch.optim.AdamW.step, **kwargs):
+        cut_after_step_1.steps += 1
+        if cut_after_step_1.steps == 1:
+            for path in folder.iterdir():
+                path.write_bytes(b"".join(line + b"\n" for line in path.read_bytes().split(b"\n")[:40]))
+        return real_step(*args, **kwargs)
+    cut_after_step_1.steps = 0
+    monkeypatch.setattr(torch.optim.AdamW, "step", cut_after_step_1)
+    args = ["--stream", "--dataset", str(folder), "--tokenizer", str(tokenizer_file), *FAST_WITH_TOKENIZER, *MID_RUN,
+            "--max-steps", "400", "--save-every", "1000", "--out-dir", str(tmp_path / "run")]
+    assert script_in_process("train_dp.py", args) == 2
+    line = error_line(capsys.readouterr().err)
+    assert re.fullmatch(rf"error: cannot read shard {re.escape(str(folder))}/j[01]\.jsonl: line 41: the file ends at "
+                        r"byte [\d,]+, where it held [\d,]+ bytes when listed: it changed during the run", line), line
+
+
 # ---------------------------------------------------------------------------------------
 # The corpus's edge cases
 
