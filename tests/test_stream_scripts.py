@@ -199,6 +199,12 @@ HOSTILE_ENTRIES = {
                                                                          "it counts in other pieces"),
     "state-packed": (set_state(3, "packer", {}), "sub-stream 3's rows in the checkpoint are packed, and this run's "
                                                  "are padded (--pack)"),
+    "digest-not-hex": (set_state(1, "digest", "zz", "cursor"), "sub-stream 1's position in the checkpoint: digest is "
+                                                               "'zz', not 16 hex digits"),
+    "pieces-read-a-list": (set_state(2, "read", [[0, 1]]), "the checkpoint's sub-stream 2: the pieces it read are "
+                                                          "list, not (piece, digest) rows of int64"),
+    "pieces-read-another-corpus": (set_state(0, "read", torch.tensor([[99, 1]])), "the checkpoint's sub-stream 0: the "
+                                                                                  "pieces it read name piece 99 of 6"),
 }
 
 
