@@ -165,3 +165,17 @@ def tokenizer():
         texts = [text(shard, i) for shard in range(4) for i in range(0, 100, 10)]
         _TOKENIZER.append(data.train_tokenizer(datasets.Dataset.from_dict({"text": texts}), vocab_size=300))
     return _TOKENIZER[0]
+
+
+def test_bench_stream_measures_the_checks_cost_at_toy_size(tmp_path, capsys):
+    """bench_stream.py --sections integrity on a 1 MB corpus: reading and rows with the check and
+    without, a later epoch's check, a resume's, and the state's table of pieces read."""
+    from benchmarks import bench_stream
+    results = bench_stream.main(["--mb", "1", "--seq-lens", "64", "--vocab-size", "300", "--data-dir", str(tmp_path),
+                                 "--sections", "integrity"])
+    assert list(results) == ["integrity"]
+    measured = results["integrity"]
+    assert all(measured[check][key] > 0 for check in ("with", "without") for key in ("documents_per_s", "rows_per_s"))
+    assert measured["later_epoch"]["check_s"] > 0 and measured["resume"]["checked_s"] > 0
+    assert measured["state"]["mb"] == 12_500 * 16 / 1e6 and measured["state"]["table_ms"] > 0
+    assert "checking what is read again" in capsys.readouterr().out
