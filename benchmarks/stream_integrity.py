@@ -157,7 +157,8 @@ def table(path: Path, tokenizer, seq_len: int) -> dict:
     for _ in range(3):  # alternated, the median of 3 each: a shared machine's load moves both alike
         for check in ("with", "without"):
             def measure():
-                return {"documents_per_s": documents_per_s(pieces), "rows_per_s": rows_per_s(pieces, tokenizer, seq_len)}
+                return {"documents_per_s": documents_per_s(pieces),
+                        "rows_per_s": rows_per_s(pieces, tokenizer, seq_len)}
             if check == "with":
                 runs[check].append(_one_core(measure))
             else:
@@ -167,7 +168,8 @@ def table(path: Path, tokenizer, seq_len: int) -> dict:
                for check in runs}
     print(f"  {'':<16}{'documents/s':>14}{'rows/s':>10}")
     for check in ("with", "without"):
-        print(f"  {check + ' check':<16}{results[check]['documents_per_s']:14,.0f}{results[check]['rows_per_s']:10,.0f}")
+        row = results[check]
+        print(f"  {check + ' check':<16}{row['documents_per_s']:14,.0f}{row['rows_per_s']:10,.0f}")
     later = results["later_epoch"] = _one_core(lambda: later_epoch(pieces, tokenizer, seq_len))
     print(f"  a later epoch's row group: read and checked first in {later['check_s']:.2f} s, its rows made in "
           f"{later['rows_s']:.2f} s (+{later['check_s'] / later['rows_s']:.1%})")
@@ -176,6 +178,7 @@ def table(path: Path, tokenizer, seq_len: int) -> dict:
           f"counted only in {again['counted_s']:.2f} s")
     state = results["state"] = state_receive()
     print(f"  the state's table of {TABLE_PIECES:,} pieces read: {state['mb']:.2f} MB a sub-stream, received with "
-          f"its cursor (at a piece's end) in {state['table_ms']:.2f} ms, the cursor alone in {state['cursor_ms']:.2f} ms",
+          f"its cursor (at a piece's end) in {state['table_ms']:.2f} ms, the cursor alone in "
+          f"{state['cursor_ms']:.2f} ms",
           flush=True)
     return results

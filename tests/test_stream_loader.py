@@ -125,7 +125,8 @@ def test_the_states_after_any_step_resume_with_the_rest(corpus, tokenizer, pack,
     everything = list(feed_of(corpus, tokenizer, pack, world_size, rank))
     uninterrupted = feed_of(corpus, tokenizer, pack, world_size, rank, num_workers=num_workers)
     alone = {stream: SubStreamRows(SubStreams(corpus.sizes, STREAMS, SEED), stream, corpus.read, tokenizer, SEQ_LEN,
-                                   pack, EPOCHS, open_rows=OPEN_ROWS) for stream in order.owned(STREAMS, world_size, rank)}
+                                   pack, EPOCHS, open_rows=OPEN_ROWS)
+             for stream in order.owned(STREAMS, world_size, rank)}
     for cut in range(len(everything) + 1):
         states = through_a_checkpoint(uninterrupted.state_dict())
         assert sorted(states) == order.owned(STREAMS, world_size, rank)

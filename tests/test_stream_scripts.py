@@ -376,8 +376,9 @@ def test_a_shard_rewritten_where_the_resume_reads_it_again_is_one_line_touching_
     capsys.readouterr()  # its progress
     states = torch.load(out / "checkpoint.pt", weights_only=True)["stream"]["states"]
     pieces = dealt(folder, 9, 2)
+    first_trained = {name: 9 if name == "j0.jsonl" else 0 for name in ("j0.jsonl", "j1.jsonl", "j2.jsonl", "j3.jsonl")}
     stream, cursor = next((s, state["cursor"]) for s, state in states.items()
-                          if state["cursor"]["row"] > (9 if pieces[s][state["cursor"]["piece"]][0] == "j0.jsonl" else 1))
+                          if state["cursor"]["row"] > first_trained[pieces[s][state["cursor"]["piece"]][0]] + 1)
     path = folder / pieces[stream][cursor["piece"]][0]
     lines = path.read_bytes().split(b"\n")
     read_line = cursor["row"] - 1  # read whole before the checkpoint (and past the file's first 64 KiB)
@@ -387,6 +388,45 @@ def test_a_shard_rewritten_where_the_resume_reads_it_again_is_one_line_touching_
     refused_in_process("train_dp.py", [*args, "--resume"], out,
                        f"error: shard {path}, line {cursor['row'] + 1}: the documents before it differ from those the "
                        "run read there: the shard was rewritten since the run read it", capsys)
+
+
+def test_a_piece_another_sub_stream_read_before_a_resume_is_checked_when_read_again(tokenizer_file, tmp_path,
+                                                                                    capsys):
+    """Eight shards of 4 documents (an epoch of about 5 steps), stopped at step 6: a shard one
+    sub-stream read whole, which the other reads after the resume in the next epoch, is
+    rewritten at the same size past its first 64 KiB. The resume starts (nothing it reads
+    there holds the change), and the other sub-stream, given every sub-stream's digests by the
+    checkpoint, stops the run in one line as it reaches the shard, exit 2, before any of its
+    new text is trained on."""
+    folder = tmp_path / "shards"
+    for i in range(8):
+        write(folder / f"j{i}.jsonl", documents(4, 10 + i), first_line_extra="x" * 65536)
+    out = tmp_path / "run"
+    args = ["--stream", "--dataset", str(folder), "--tokenizer", str(tokenizer_file), *FAST_WITH_TOKENIZER, *MID_RUN,
+            "--out-dir", str(out)]
+    run_in_process("train_dp.py", [*args, "--stop-at-step", "6"])
+    capsys.readouterr()
+    states = torch.load(out / "checkpoint.pt", weights_only=True)["stream"]["states"]
+    found = shards.find_shards(str(folder), "text")  # one piece a file, in name order
+    _, held_out = holdout.validation_documents(str(folder), found, "text", 9)
+    sizes = held_out.training_sizes(shards.piece_sizes(found))
+    cursors = {s: (state["cursor"]["epoch"], state["cursor"]["piece"]) for s, state in states.items()}
+    ahead = {s: order.deal(sizes, 2, 1337, epoch)[s][at + 1:] + order.deal(sizes, 2, 1337, epoch + 1)[s]
+             for s, (epoch, at) in cursors.items()}  # what each reads after its piece in progress
+    in_progress = {(order.deal(sizes, 2, 1337, epoch)[s] + [None])[at] for s, (epoch, at) in cursors.items()}
+    read_by = {piece: s for s, state in states.items() for piece in state["read"][:, 0].tolist()}
+    piece = next(p for s in (0, 1) for p in ahead[s]  # read again neither at the resume nor by 1 - s itself
+                 if read_by.get(p) == 1 - s and p > held_out.piece and p not in ahead[1 - s] + list(in_progress))
+    path = folder / found[piece].name
+    lines = path.read_bytes().split(b"\n")
+    at = lines[2].index(b'"text": "') + 9
+    lines[2] = lines[2][:at] + lines[2][at:at + 1].upper() + lines[2][at + 1:]
+    path.write_bytes(b"\n".join(lines))
+    assert script_in_process("train_dp.py", [*args, "--resume"]) == 2
+    assert error_line(capsys.readouterr().err) == (
+        f"error: shard {path}: its documents differ from those the run read there: the shard was rewritten since the "
+        "run read it. Restore it as the run read it, or start a new run")
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] in (6, 9, 12)  # stopped before step 14
 
 
 def test_a_json_lines_shard_cut_short_while_it_is_read_stops_the_run_in_one_line(tokenizer_file, tmp_path,

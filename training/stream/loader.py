@@ -15,10 +15,10 @@ come from one SubStreamRows, in order, wherever its worker runs. A worker yields
 its sub-streams' B/S rows each, one tensor a field (each tensor a worker sends is a segment of
 shared memory that the main process maps: tenths of a millisecond, however small), and each
 sub-stream's state after them (its table of the pieces it has read, a tensor, only in the step
-it changed: _Shares._unsent). One item a step and not one a share: the DataLoader takes its workers' items in turn, one each, and
-a worker with more sub-streams than another would fall further behind in items every step (n
-dividing S/W keeps the workers equally busy; n is at most S/W). The main process puts each
-worker's columns in place.
+it changed: _Shares._unsent). One item a step and not one a share: the DataLoader takes its
+workers' items in turn, one each, and a worker with more sub-streams than another would fall
+further behind in items every step (n dividing S/W keeps the workers equally busy; n is at most
+S/W). The main process puts each worker's columns in place.
 
 State: workers read ahead (the DataLoader's prefetch, two items each), and ReadAhead a step or
 two more, so where a worker stands is not where the trainer does: each step's rows come with
