@@ -5,6 +5,7 @@
     python bench_stream.py --sections bpe                    # the BPE alone
     python bench_stream.py --sections loader                 # the cost of the loader's state a step
     python bench_stream.py --sections checkpoint             # the states a checkpoint gathers and holds
+    python bench_stream.py --sections integrity              # checking the pieces read again, with and without
     python bench_stream.py --sections launch                 # the trainers' launch, --stream and map-style
                                                              # (not by default: minutes, and a 1 GB corpus)
 
@@ -32,6 +33,8 @@ take; on one core (one torch thread, tokenizers' parallelism off), for at most 1
 The sub-streams' state, for each --seq-len (benchmarks/stream_state.py says what and how):
   loader        the loader's state a step: one packed sub-stream's, as its worker sends it
   checkpoint    the states a checkpoint holds: 8 packed sub-streams', gathered from 2 ranks
+  integrity     what checking the pieces read again costs, with the check and without it, at
+                the first --seq-len (benchmarks/stream_integrity.py)
 
 The BPE of a run without --tokenizer (--vocab-size tokens, data.TOKENIZER_TRAIN_CHARS at most),
 each way in a fresh process, from the corpus's file to the trained tokenizer:
@@ -55,7 +58,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
 
 
-SECTIONS = ["packer", "bpe", "loader", "checkpoint", "launch"]  # launch: minutes, and a 1 GB corpus: asked for
+SECTIONS = ["packer", "bpe", "loader", "checkpoint", "integrity", "launch"]  # launch: minutes, and a 1 GB corpus: asked for
 
 
 def parse_args(argv=None):
@@ -203,7 +206,7 @@ def bpe_table(path: Path, vocab_size: int) -> dict:
 
 def main(argv=None) -> dict:
     """Prints the tables; returns {seq_len: {"offline": ..., open_rows: ..., "rows_per_s": {"padded", "packed"}},
-    "bpe": {...}, "loader": {seq_len: {...}}, "checkpoint": {seq_len: {...}},
+    "bpe": {...}, "loader": {seq_len: {...}}, "checkpoint": {seq_len: {...}}, "integrity": {...},
     "launch": {mb (None for --data): {launch: {...}}}}."""
     args = parse_args(argv)
     import datasets
@@ -220,7 +223,7 @@ def main(argv=None) -> dict:
     if "launch" in args.sections:
         from benchmarks import stream_launch
         results["launch"] = stream_launch.table(args, bench_data.bpe(path, args.vocab_size, texts))
-    if not {"packer", "loader", "checkpoint"} & set(args.sections):
+    if not {"packer", "loader", "checkpoint", "integrity"} & set(args.sections):
         return results
     tokenizer = data.load_tokenizer(bench_data.bpe(path, args.vocab_size, texts))
     print(f"{path.name}: {len(texts):,} documents, {sum(len(t.encode()) for t in texts) / 1e6:.0f} MB of text | "
@@ -229,6 +232,9 @@ def main(argv=None) -> dict:
         results["loader"] = stream_state.loader_table(path, tokenizer, args.seq_lens)
     if "checkpoint" in args.sections:
         results["checkpoint"] = stream_state.checkpoint_table(path, tokenizer, args.seq_lens, args.steps)
+    if "integrity" in args.sections:
+        from benchmarks import stream_integrity
+        results["integrity"] = stream_integrity.table(path, tokenizer, args.seq_lens[0])
     if "packer" not in args.sections:
         return results
     for seq_len in args.seq_lens:

@@ -124,9 +124,20 @@ def test_the_states_after_any_step_resume_with_the_rest(corpus, tokenizer, pack,
     rank = world_size - 1
     everything = list(feed_of(corpus, tokenizer, pack, world_size, rank))
     uninterrupted = feed_of(corpus, tokenizer, pack, world_size, rank, num_workers=num_workers)
+    alone = {stream: SubStreamRows(SubStreams(corpus.sizes, STREAMS, SEED), stream, corpus.read, tokenizer, SEQ_LEN,
+                                   pack, EPOCHS, open_rows=OPEN_ROWS)
+             for stream in order.owned(STREAMS, world_size, rank)}
     for cut in range(len(everything) + 1):
         states = through_a_checkpoint(uninterrupted.state_dict())
         assert sorted(states) == order.owned(STREAMS, world_size, rank)
+        # each as the sub-stream's rows alone give it after as many rows: its table of pieces read
+        # too, which a worker sends only in the step it changes (loader._Shares._unsent)
+        assert all(torch.equal(states[stream]["read"], rows.state_dict()["read"]) and
+                   states[stream]["cursor"] == rows.state_dict()["cursor"] for stream, rows in alone.items()), cut
+        assert any(len(state["read"]) for state in states.values()) or cut < len(everything) // 2
+        for rows in alone.values():
+            for _ in range(SHARE):
+                next(rows, None)
         resumed = feed_of(corpus, tokenizer, pack, world_size, rank, num_workers=num_workers)
         resumed.load_state_dict(states)
         assert same_steps(list(resumed), everything[cut:]), cut

@@ -238,11 +238,14 @@ def hostile(corpus: Corpus, rows: SubStreamRows, state: dict, packed: dict) -> l
     sub_streams = SubStreams(corpus.sizes, 1, SEED)
 
     def at(epoch: int) -> dict:  # a cursor at the start of an epoch, as the run deals it
-        return {**state["cursor"], "epoch": epoch, "piece": 0, "row": 0, "dealt": sub_streams.fingerprint(0, epoch)}
+        return {**state["cursor"], "epoch": epoch, "piece": 0, "row": 0, "dealt": sub_streams.fingerprint(0, epoch),
+                "digest": "0" * 16}
     where = "sub-stream 0's rows in the checkpoint"
     cases = [
-        ([1, 2], f"{where} are not a sub-stream's state: it holds list, not cursor, window, packer, flushed, targets"),
-        ({k: v for k, v in state.items() if k != "flushed"}, "it holds ['cursor', 'packer', 'targets', 'window']"),
+        ([1, 2], f"{where} are not a sub-stream's state: it holds list, not cursor, window, packer, flushed, targets, "
+                 "read"),
+        ({k: v for k, v in state.items() if k != "flushed"}, "it holds ['cursor', 'packer', 'read', 'targets', "
+                                                             "'window']"),
         ({**state, "window": True}, f"{where}: window is True, not a whole number from 0 to 2**63 - 1"),
         ({**state, "window": -1}, "window is -1, not"),
         ({**state, "flushed": 2**63}, "flushed is 9223372036854775808, not"),
@@ -254,6 +257,19 @@ def hostile(corpus: Corpus, rows: SubStreamRows, state: dict, packed: dict) -> l
                                           f"document is left from row 0 of piece 0 of epoch {EPOCHS} on"),
         ({**state, "cursor": at(EPOCHS + 1)}, f"{where} stand in epoch {EPOCHS + 1}, past this run's {EPOCHS} epochs"),
         ({**state, "flushed": 1}, f"{where}: the packer's flush at the end handed out 1 rows"),
+        # what it read: a digest that is none, or not the documents', and a table of pieces read that is none
+        ({**state, "cursor": {**state["cursor"], "digest": "xyz"}}, "position in the checkpoint: digest is 'xyz', not "
+                                                                    "16 hex digits"),
+        ({**state, "cursor": {**at(0), "digest": "1" * 16}}, "position in the checkpoint: a digest of documents "
+                                                             "before row 0"),
+        ({**state, "cursor": {**state["cursor"], "digest": "1" * 16}},
+         f"piece {sub_streams.pieces(0, 0)[state['cursor']['piece']]}, row {state['cursor']['row']}: the documents "
+         "before it differ from those the run read there: the shard was rewritten since the run read it"),
+        ({**state, "read": [[0, 1]]}, f"{where}: the pieces it read are list, not (piece, digest) rows of int64"),
+        ({**state, "read": torch.zeros(2, 2, dtype=torch.int32)}, "the pieces it read are a torch.int32 tensor of "
+                                                                  "shape (2, 2), not"),
+        ({**state, "read": torch.tensor([[11, 5]])}, f"{where}: the pieces it read name piece 11 of 11"),
+        ({**state, "read": torch.tensor([[3, 5], [3, 5]])}, f"{where}: the pieces it read name piece 3 twice"),
     ]
     if rows.packer is None:
         return cases + [({**state, "packer": packed["packer"]}, f"{where} are packed, and this run's are padded")]

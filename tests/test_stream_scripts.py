@@ -233,6 +233,12 @@ HOSTILE_ENTRIES = {
                                                                          "it counts in other pieces"),
     "state-packed": (set_state(3, "packer", {}), "sub-stream 3's rows in the checkpoint are packed, and this run's "
                                                  "are padded (--pack)"),
+    "digest-not-hex": (set_state(1, "digest", "zz", "cursor"), "sub-stream 1's position in the checkpoint: digest is "
+                                                               "'zz', not 16 hex digits"),
+    "pieces-read-a-list": (set_state(2, "read", [[0, 1]]), "the checkpoint's sub-stream 2: the pieces it read are "
+                                                          "list, not (piece, digest) rows of int64"),
+    "pieces-read-another-corpus": (set_state(0, "read", torch.tensor([[99, 1]])), "the checkpoint's sub-stream 0: the "
+                                                                                  "pieces it read name piece 99 of 6"),
 }
 
 
@@ -391,6 +397,100 @@ def test_a_bad_json_line_one_rank_meets_ends_every_rank_in_one_line_promptly(tok
     path.write_bytes(b"\n".join(lines))  # repaired
     run_script("train_ddp.py", [*args, "--out-dir", str(out), "--resume"], nproc=2)
     assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 14
+
+
+def test_a_shard_rewritten_where_the_resume_reads_it_again_is_one_line_touching_nothing(tokenizer_file, tmp_path,
+                                                                                        capsys):
+    """A document a sub-stream read before its checkpoint, in the piece it is in, rewritten at
+    the same size past the shard's first 64 KiB (each file's first line carries 64 KiB of
+    metadata): the shards' size and digest pass, and the resume reads that document again to
+    reach its cursor, where its digest no longer chains (training/stream/integrity.py): one
+    line naming the shard and the cursor's line, exit 2, nothing written."""
+    folder = tmp_path / "shards"
+    for i in range(4):
+        write(folder / f"j{i}.jsonl", documents(16, 10 + i), first_line_extra="x" * 65536)
+    out = tmp_path / "run"
+    args = ["--stream", "--dataset", str(folder), "--tokenizer", str(tokenizer_file), *FAST_WITH_TOKENIZER, *MID_RUN]
+    run_in_process("train_dp.py", [*args, "--stop-at-step", "3", "--out-dir", str(out)])
+    capsys.readouterr()  # its progress
+    states = torch.load(out / "checkpoint.pt", weights_only=True)["stream"]["states"]
+    pieces = dealt(folder, 9, 2)
+    first_trained = {name: 9 if name == "j0.jsonl" else 0 for name in ("j0.jsonl", "j1.jsonl", "j2.jsonl", "j3.jsonl")}
+    stream, cursor = next((s, state["cursor"]) for s, state in states.items()
+                          if state["cursor"]["row"] > first_trained[pieces[s][state["cursor"]["piece"]][0]] + 1)
+    path = folder / pieces[stream][cursor["piece"]][0]
+    lines = path.read_bytes().split(b"\n")
+    read_line = cursor["row"] - 1  # read whole before the checkpoint (and past the file's first 64 KiB)
+    at = lines[read_line].index(b'"text": "') + 9
+    lines[read_line] = lines[read_line][:at] + lines[read_line][at:at + 1].upper() + lines[read_line][at + 1:]
+    path.write_bytes(b"\n".join(lines))
+    refused_in_process("train_dp.py", [*args, "--resume"], out,
+                       f"error: shard {path}, line {cursor['row'] + 1}: the documents before it differ from those the "
+                       "run read there: the shard was rewritten since the run read it", capsys)
+
+
+def test_a_piece_another_sub_stream_read_before_a_resume_is_checked_when_read_again(tokenizer_file, tmp_path,
+                                                                                    capsys):
+    """Eight shards of 4 documents (an epoch of about 5 steps), stopped at step 6: a shard one
+    sub-stream read whole, which the other reads after the resume in the next epoch, is
+    rewritten at the same size past its first 64 KiB. The resume starts (nothing it reads
+    there holds the change), and the other sub-stream, given every sub-stream's digests by the
+    checkpoint, stops the run in one line as it reaches the shard, exit 2, before any of its
+    new text is trained on."""
+    folder = tmp_path / "shards"
+    for i in range(8):
+        write(folder / f"j{i}.jsonl", documents(4, 10 + i), first_line_extra="x" * 65536)
+    out = tmp_path / "run"
+    args = ["--stream", "--dataset", str(folder), "--tokenizer", str(tokenizer_file), *FAST_WITH_TOKENIZER, *MID_RUN,
+            "--out-dir", str(out)]
+    run_in_process("train_dp.py", [*args, "--stop-at-step", "6"])
+    capsys.readouterr()
+    states = torch.load(out / "checkpoint.pt", weights_only=True)["stream"]["states"]
+    found = shards.find_shards(str(folder), "text")  # one piece a file, in name order
+    _, held_out = holdout.validation_documents(str(folder), found, "text", 9)
+    sizes = held_out.training_sizes(shards.piece_sizes(found))
+    cursors = {s: (state["cursor"]["epoch"], state["cursor"]["piece"]) for s, state in states.items()}
+    ahead = {s: order.deal(sizes, 2, 1337, epoch)[s][at + 1:] + order.deal(sizes, 2, 1337, epoch + 1)[s]
+             for s, (epoch, at) in cursors.items()}  # what each reads after its piece in progress
+    in_progress = {(order.deal(sizes, 2, 1337, epoch)[s] + [None])[at] for s, (epoch, at) in cursors.items()}
+    read_by = {piece: s for s, state in states.items() for piece in state["read"][:, 0].tolist()}
+    piece = next(p for s in (0, 1) for p in ahead[s]  # read again neither at the resume nor by 1 - s itself
+                 if read_by.get(p) == 1 - s and p > held_out.piece and p not in ahead[1 - s] + list(in_progress))
+    path = folder / found[piece].name
+    lines = path.read_bytes().split(b"\n")
+    at = lines[2].index(b'"text": "') + 9
+    lines[2] = lines[2][:at] + lines[2][at:at + 1].upper() + lines[2][at + 1:]
+    path.write_bytes(b"\n".join(lines))
+    assert script_in_process("train_dp.py", [*args, "--resume"]) == 2
+    assert error_line(capsys.readouterr().err) == (
+        f"error: shard {path}: its documents differ from those the run read there: the shard was rewritten since the "
+        "run read it. Restore it as the run read it, or start a new run")
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] in (6, 9, 12)  # stopped before step 14
+
+
+def test_a_json_lines_shard_cut_short_while_it_is_read_stops_the_run_in_one_line(tokenizer_file, tmp_path,
+                                                                                monkeypatch, capsys):
+    """After step 1 both shards are cut to their first 40 lines, under the sub-streams reading
+    them (one each, a few lines in): where the pieces used to end there without a word and the
+    run trained on, it ends in one line naming the file and the line after the cut, exit 2."""
+    folder = tmp_path / "shards"
+    for i in range(2):
+        write(folder / f"j{i}.jsonl", documents(400, 20 + i, words=(30, 60)))
+
+    def cut_after_step_1(*args, real_step=torch.optim.AdamW.step, **kwargs):
+        cut_after_step_1.steps += 1
+        if cut_after_step_1.steps == 1:
+            for path in folder.iterdir():
+                path.write_bytes(b"".join(line + b"\n" for line in path.read_bytes().split(b"\n")[:40]))
+        return real_step(*args, **kwargs)
+    cut_after_step_1.steps = 0
+    monkeypatch.setattr(torch.optim.AdamW, "step", cut_after_step_1)
+    args = ["--stream", "--dataset", str(folder), "--tokenizer", str(tokenizer_file), *FAST_WITH_TOKENIZER, *MID_RUN,
+            "--max-steps", "400", "--save-every", "1000", "--out-dir", str(tmp_path / "run")]
+    assert script_in_process("train_dp.py", args) == 2
+    line = error_line(capsys.readouterr().err)
+    assert re.fullmatch(rf"error: cannot read shard {re.escape(str(folder))}/j[01]\.jsonl: line 41: the file ends at "
+                        r"byte [\d,]+, where it held [\d,]+ bytes when listed: it changed during the run", line), line
 
 
 # ---------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import gzip
 import importlib.util
 import json
 import os
+import random
 import sys
 
 import pyarrow as pa
@@ -380,6 +381,54 @@ def test_a_compressed_shard_cut_short_is_one_line_naming_the_line_it_ends_in(tmp
     cut = ("Compressed file ended before the end-of-stream marker was reached" if kind == "jsonl.gz"
            else "the file ends in the middle of a zstd frame: it was cut short")
     assert str(error.value) == f"cannot read shard {path}: line {len(read_before) + 1}: {cut}"
+
+
+CUTS = {  # the file as it is left while its reader is past its first 500 lines, and what ends the reading
+    ("jsonl", "mid-line"): (lambda raw, half: raw[:half], "the file ends at byte {size:,}, where it held {listed:,} "
+                            "bytes when listed: it changed during the run"),
+    ("jsonl", "at-a-line-end"): (lambda raw, half: raw[:raw.index(b"\n", half) + 1], "the file ends at byte "
+                                 "{size:,}, where it held {listed:,} bytes when listed: it changed during the run"),
+    ("jsonl", "grown"): (lambda raw, half: raw + raw[:half], "the file goes on past byte {listed:,}, where it held "
+                         "{listed:,} bytes when listed: it changed during the run"),
+    ("jsonl.gz", "mid-stream"): (lambda raw, half: raw[:half], "Compressed file ended before the end-of-stream "
+                                 "marker was reached"),
+    ("jsonl.gz", "between-streams"): (None, "the file ends at byte {size:,}, where it held {listed:,} bytes when "
+                                            "listed: it changed during the run"),
+    ("jsonl.zst", "mid-stream"): (lambda raw, half: raw[:half], "the file ends in the middle of a zstd frame: it "
+                                  "was cut short"),
+    ("jsonl.zst", "between-frames"): (None, "the file ends at byte {size:,}, where it held {listed:,} bytes when "
+                                            "listed: it changed during the run"),
+}
+
+
+@pytest.mark.parametrize("kind, cut", [pytest.param(*case, marks=pytest.mark.skipif(
+    case[0] == "jsonl.zst" and not HAS_ZSTANDARD, reason="zstandard not installed")) for case in CUTS])
+def test_a_json_lines_shard_cut_short_while_it_is_read_is_one_line_naming_the_file_and_the_line(tmp_path, kind,
+                                                                                                 cut):
+    """Opened whole, the file is cut (or grown) under its reader: the reading must not end
+    early, with the piece's last documents left out without a word. A plain file, and a
+    compressed one cut between its streams (gzip members, zstd frames: either ends cleanly
+    there), must end at the size listed; one cut inside a stream is its decompressor's EOFError."""
+    rng = random.Random(0)  # text that compresses about 3 times: a few MB raw, far more than a reader buffers
+    texts = [f"document {i} " + " ".join(str(rng.random()) for _ in range(12)) for i in range(20_000)]
+    lines = [json.dumps({"text": t}).encode() + b"\n" for t in texts]
+    path = tmp_path / f"c.{kind}"
+    whole = b"".join(compressed(kind, b"".join(lines[at:at + 5_000])) for at in range(0, 20_000, 5_000))
+    path.write_bytes(whole)
+    [shard] = find_shards(str(path), "text")
+    cut_to, said = CUTS[kind, cut]
+    if cut_to is None:  # the file's first two streams: 10,000 lines whole
+        cut_to = lambda raw, half: compressed(kind, b"".join(lines[:5_000])) + \
+            compressed(kind, b"".join(lines[5_000:10_000]))  # noqa: E731
+    documents, read_before = read_documents(str(path), shard, 0, 0, "text"), []
+    with pytest.raises(UsageError) as error:
+        for row, text in documents:
+            read_before.append(text)
+            if row == 500:
+                path.write_bytes(cut_to(whole, len(whole) // 2))
+    assert read_before == texts[:len(read_before)] and 500 < len(read_before) <= 20_000  # grown: all it held
+    said = said.format(size=path.stat().st_size, listed=shard.size)
+    assert str(error.value) == f"cannot read shard {path}: line {len(read_before) + 1}: {said}"
 
 
 def test_parquet_damage_names_the_row_group_and_the_row(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from training import corpus, launch
 from training.errors import UsageError
-from training.stream import holdout, loader, run, shards
+from training.stream import holdout, integrity, loader, run, shards
 from training.stream.holdout import HeldOut
 from training.stream.hub import HubSource, hub_source
 from training.stream.order import LIMIT, SubStreams
@@ -98,7 +98,8 @@ class StreamedDataset:
     def __init__(self, source: Corpus, tokenizer, record: dict):
         cfg = source.cfg
         self.cfg, self.tokenizer, self.record = cfg, tokenizer, record
-        self.sub_streams = SubStreams(source.sizes, cfg.sub_streams, cfg.seed)
+        describe = shards.describe(source.source, source.shards)
+        self.sub_streams = SubStreams(source.sizes, cfg.sub_streams, cfg.seed, describe)
         self.read = holdout.skip_held_out(shards.reader(source.source, source.shards, cfg.text_column), source.held_out)
         states = source.saved[1] if source.saved else None  # the checkpoint's, all S: each rank takes its own
         self._targets = 0
@@ -118,8 +119,9 @@ class StreamedDataset:
         # written, not once the run has rewritten its files and begun its loop.
         rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.feed = self._feed(rank, world_size)
-        if states is not None:
-            self.feed.load_state_dict(run.owned_states(states, cfg.sub_streams, world_size, rank))
+        if states is not None:  # every piece the run read, checked as it is read again (integrity.py)
+            known = integrity.known_pieces(states, len(source.sizes), describe)
+            self.feed.load_state_dict(run.owned_states(states, cfg.sub_streams, world_size, rank), known)
 
     def __len__(self) -> int:
         return self.cfg.max_steps * self.cfg.batch_size

@@ -21,11 +21,12 @@ READ_ERRORS = (OSError, EOFError, zlib.error)  # a disk's, or gzip's: a stream c
 MAX_LINE_BYTES = 256 << 20  # a longer JSON line is refused, not read into memory (a book is a few MB)
 
 
-def documents(path: Path | str, open_file: Callable, kind: str, start_row: int, text_column: str):
-    """The documents of a JSON Lines shard (open_file(path): its bytes) from line start_row on, as
-    (its line, from 0, blank lines counted; its text); damage is one UsageError naming the line."""
+def documents(path: Path | str, open_file: Callable, kind: str, size: int, start_row: int, text_column: str):
+    """The documents of a JSON Lines shard (open_file(path): its bytes, `size` of them when it
+    was listed) from line start_row on, as (its line, from 0, blank lines counted; its text);
+    damage is one UsageError naming the line."""
     lines = 0
-    with contextlib.closing(_lines(path, open_file, kind)) as file_lines:
+    with contextlib.closing(_lines(path, open_file, kind, size)) as file_lines:
         for row, line in enumerate(file_lines):
             lines = row + 1
             if row < start_row:
@@ -41,9 +42,13 @@ def documents(path: Path | str, open_file: Callable, kind: str, start_row: int, 
                          "the file changed during the run")
 
 
-def _lines(path: Path | str, open_file: Callable, kind: str) -> Iterator[bytes]:
+def _lines(path: Path | str, open_file: Callable, kind: str, size: int) -> Iterator[bytes]:
     """A JSON Lines file's lines as bytes, decompressed: split at "\\n" only, as JSON Lines
-    are (a text file's reader would also split at "\\r" and at U+2028 inside a document)."""
+    are (a text file's reader would also split at "\\r" and at U+2028 inside a document).
+    The file must end where it was listed to end, `size` bytes in: a file cut short (or grown)
+    while it is read would otherwise end its piece early without a word. A compressed stream
+    cut inside a frame is gzip's or zstd's EOFError; one cut between two of its frames, or a
+    plain file cut anywhere, only this count sees."""
     with open_file(path) as raw:
         errors = READ_ERRORS
         if kind == "jsonl.gz":
@@ -61,9 +66,22 @@ def _lines(path: Path | str, open_file: Callable, kind: str) -> Iterator[bytes]:
                 if len(line) > MAX_LINE_BYTES:
                     raise UsageError(f"cannot read shard {path}: line {lines} is longer than "
                                      f"{MAX_LINE_BYTES:,} bytes, more than any document")
+                if not line.endswith(b"\n") or raw.tell() > size:  # the last line, or a file grown: its end checked
+                    _check_end(path, raw, size, lines)
                 yield line
+            _check_end(path, raw, size, lines + 1)
         except errors as e:
             raise UsageError(f"cannot read shard {path}: line {lines + 1}: {first_line(e)}") from None
+
+
+def _check_end(path: Path | str, raw, size: int, line: int) -> None:
+    """At the end of the file's lines (or of its last, unfinished one, or past its listed end):
+    all of its listed bytes read, and no more. A compressed stream has read its file to the
+    end by then (or further than it held)."""
+    if (ended := raw.tell()) != size:
+        now = f"ends at byte {ended:,}" if ended < size else f"goes on past byte {size:,}"
+        raise UsageError(f"cannot read shard {path}: line {line}: the file {now}, where it held {size:,} bytes when "
+                         "listed: it changed during the run")
 
 
 def _zstd_frames(raw, zstandard) -> Iterator[bytes]:

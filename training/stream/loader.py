@@ -14,11 +14,11 @@ Workers: each gets whole sub-streams (worker w of n: owned[w::n]), so that a sub
 come from one SubStreamRows, in order, wherever its worker runs. A worker yields one item a step:
 its sub-streams' B/S rows each, one tensor a field (each tensor a worker sends is a segment of
 shared memory that the main process maps: tenths of a millisecond, however small), and each
-sub-stream's state after them. One
-item a step and not one a share: the DataLoader takes its workers' items in turn, one each, and
-a worker with more sub-streams than another would fall further behind in items every step (n
-dividing S/W keeps the workers equally busy; n is at most S/W). The main process puts each
-worker's columns in place.
+sub-stream's state after them (its table of the pieces it has read, a tensor, only in the step
+it changed: _Shares._unsent). One item a step and not one a share: the DataLoader takes its
+workers' items in turn, one each, and a worker with more sub-streams than another would fall
+further behind in items every step (n dividing S/W keeps the workers equally busy; n is at most
+S/W). The main process puts each worker's columns in place.
 
 State: workers read ahead (the DataLoader's prefetch, two items each), and ReadAhead a step or
 two more, so where a worker stands is not where the trainer does: each step's rows come with
@@ -89,6 +89,7 @@ class StreamFeed(Iterator[list[tuple[torch.Tensor, ...]]]):
         # Whole sub-streams to a worker; a worker without one would only end at once
         self.workers = min(num_workers, len(self.owned))
         self._settings = (sub_streams, read, tokenizer, seq_len, pack, epochs, open_rows)
+        self._known = {}  # the digests of the pieces read by the checkpoint's sub-streams: load_state_dict's
         self._states = {stream: self._rows(stream).state_dict() for stream in self.owned}
         self._items, self._ended = None, False
         self.steps = 0  # handed out since built or loaded
@@ -96,7 +97,7 @@ class StreamFeed(Iterator[list[tuple[torch.Tensor, ...]]]):
     def _rows(self, stream: int, state: dict | None = None) -> SubStreamRows:
         """Sub-stream `stream`'s rows, from `state` (SubStreamRows checks it: one line naming it)."""
         sub_streams, read, tokenizer, seq_len, pack, epochs, open_rows = self._settings
-        rows = SubStreamRows(sub_streams, stream, read, tokenizer, seq_len, pack, epochs, open_rows)
+        rows = SubStreamRows(sub_streams, stream, read, tokenizer, seq_len, pack, epochs, open_rows, self._known)
         if state is not None:
             rows.load_state_dict(state)
         return rows
@@ -124,7 +125,8 @@ class StreamFeed(Iterator[list[tuple[torch.Tensor, ...]]]):
                 raise RuntimeError(f"step {self.steps}'s shares, and a worker gave step {step}'s")
             streams, fields, stream_states = item
             parts.append(([self.owned.index(stream) for stream in streams], fields))
-            states.update(zip(streams, stream_states))
+            for stream, state in zip(streams, stream_states):  # a table of pieces read as before: not sent again
+                states[stream] = state if state["read"] is not None else {**state, "read": self._states[stream]["read"]}
         # Local row i is row i // k of owned[i % k] (k = S/W): a (B/S, k, ...) tensor, each
         # worker's sub-streams in their columns, flattened. Pinned, each micro-batch is a slice of it.
         step_fields = []
@@ -155,11 +157,13 @@ class StreamFeed(Iterator[list[tuple[torch.Tensor, ...]]]):
         and torch.load(weights_only=True) carry it; a checkpoint gathers every rank's, S in all."""
         return dict(self._states)
 
-    def load_state_dict(self, states: dict) -> None:
+    def load_state_dict(self, states: dict, known: dict[int, int] | None = None) -> None:
         """Continue from the states of the sub-streams this rank owns (at another world size
-        they are others than it saved: the caller picks them from all S). Each is checked as
-        SubStreamRows checks one (its document in progress read again) before anything
-        changes; anything wrong is one UsageError and leaves the feed as it was."""
+        they are others than it saved: the caller picks them from all S), `known` the digests
+        of the pieces all S had read (integrity.known_pieces), against which each piece read
+        again is checked. Each state is checked as SubStreamRows checks one (its document in
+        progress read again) before anything changes; anything wrong is one UsageError and
+        leaves the feed as it was."""
         where = f"the sub-stream states given to {self.where}"
         if not isinstance(states, dict):
             raise UsageError(f"{where} are a {type(states).__name__}, not a dict of sub-stream to state")
@@ -171,15 +175,21 @@ class StreamFeed(Iterator[list[tuple[torch.Tensor, ...]]]):
         if others or missing:
             problem = f"hold sub-streams {others} it does not own" if others else f"lack its sub-streams {missing}"
             raise UsageError(f"{where} {problem} (it owns {self.owned}: give each rank the states of its own)")
-        for stream in self.owned:
-            self._rows(stream, states[stream])
+        kept, self._known = self._known, known if known is not None else {}
+        try:
+            for stream in self.owned:
+                self._rows(stream, states[stream])
+        except BaseException:
+            self._known = kept
+            raise
         self._states, self._items, self._ended, self.steps = {s: states[s] for s in self.owned}, None, False, 0
 
 
 class _Shares(IterableDataset):
     """In each worker (or the main process, without workers): its sub-streams from their states,
     and an item a step, (step, (its sub-streams, each field of their B/S rows a step as one
-    tensor (B/S, sub-streams, ...), each one's state after them)); at the end (step, None), or
+    tensor (B/S, sub-streams, ...), each one's state after them, its table of pieces read None
+    where it was sent before)); at the end (step, None), or
     (step, the UsageError) where a shard cannot be read: raised in a worker, it would reach the
     main process wrapped in a traceback, and it is one line."""
 
@@ -192,6 +202,7 @@ class _Shares(IterableDataset):
         step = 0
         try:
             sub_streams = [self.rows(stream, self.states[stream]) for stream in mine]
+            sent = {}  # sub-stream: the table of pieces read last sent with its state
             for step in itertools.count():
                 shares = []
                 for rows in sub_streams:
@@ -202,9 +213,21 @@ class _Shares(IterableDataset):
                 # row i of each share, sub-stream after sub-stream: one tensor a field, (B/S, its sub-streams, ...)
                 fields = default_collate([share[i] for i in range(self.share) for share in shares])
                 yield step, (mine, [field.unflatten(0, (self.share, len(mine))) for field in fields],
-                             [rows.state_dict() for rows in sub_streams])
+                             [self._unsent(stream, rows.state_dict(), sent) for stream, rows in zip(mine, sub_streams)])
         except UsageError as e:
             yield step, e
+
+
+    @staticmethod
+    def _unsent(stream: int, state: dict, sent: dict) -> dict:
+        """The state to send: its table of pieces read (integrity.PiecesRead.table(), the same
+        tensor until a piece is added) as None where it was sent before, which StreamFeed fills
+        in from the step before. Sent each step, a table of 12,500 pieces cost the main process
+        0.8 ms a sub-stream (bench_stream.py --sections integrity); it changes once a piece."""
+        if sent.get(stream) is state["read"]:
+            return {**state, "read": None}
+        sent[stream] = state["read"]
+        return state
 
 
 def _as_is(item):

@@ -42,9 +42,13 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from training.errors import UsageError
+from training.stream import integrity
+from training.stream.integrity import PiecesRead
 
 # read(piece, start_row): the (row, text) of a piece's documents from start_row on, rows rising
 Read = Callable[[int, int], Iterable[tuple[int, str]]]
+# describe(piece, row): where that is, for a line ("shard b.jsonl, line 58"); row None: the piece
+Describe = Callable[[int, int | None], str]
 LIMIT = 2**63  # epochs, rows and the like in a checkpoint: what a seed may be (training/config.py)
 
 
@@ -77,10 +81,12 @@ def deal(piece_sizes: list[int], streams: int, seed: int, epoch: int) -> list[li
 class SubStreams:
     """A run's pieces dealt to its `streams` sub-streams (deal), epoch by epoch: what every Cursor
     of the run reads. One for all the cursors of a process: an epoch is dealt once, not once a
-    sub-stream (a million pieces take seconds)."""
+    sub-stream (a million pieces take seconds). describe(piece, row) names a place in a piece
+    for a line (shards.describe: the shard and the row group or line)."""
 
-    def __init__(self, piece_sizes: list[int], streams: int, seed: int):
+    def __init__(self, piece_sizes: list[int], streams: int, seed: int, describe: Describe | None = None):
         self.piece_sizes, self.streams, self.seed = [int(size) for size in piece_sizes], streams, seed
+        self.describe = describe or (lambda piece, row: f"piece {piece}" + (f", row {row}" if row is not None else ""))
         # a few epochs kept: the sub-streams of a process cross into the next epoch at different times
         self.dealt = functools.lru_cache(maxsize=4)(lambda epoch: deal(self.piece_sizes, streams, seed, epoch))
         self.dealt(0)  # a corpus that cannot be dealt is refused here, before anything is read
@@ -98,20 +104,27 @@ class SubStreams:
 
 class Cursor:
     """Where sub-stream `stream` stands: its next document is at row `row` (or the first row after
-    it that holds one) of the `piece`-th of its pieces in `epoch`. documents() moves it before it
-    hands out each document, so that state_dict() taken after any document resumes with the next."""
+    it that holds one) of the `piece`-th of its pieces in `epoch`; `digest`, the chain over that
+    piece's documents before `row` (integrity.py), which a resume checks as it reads them again.
+    documents() moves it before it hands out each document, so that state_dict() taken after
+    any document resumes with the next."""
 
-    FIELDS = ("stream", "streams", "epoch", "piece", "row", "dealt")
+    FIELDS = ("stream", "streams", "epoch", "piece", "row", "dealt", "digest")
 
     def __init__(self, sub_streams: SubStreams, stream: int):
         if not 0 <= stream < sub_streams.streams:
             raise ValueError(f"sub-stream {stream} of {sub_streams.streams}")
         self.sub_streams, self.stream = sub_streams, stream
         self.epoch = self.piece = self.row = 0
+        self.digest = integrity.START
+
+    def moved_to(self, other: "Cursor") -> None:
+        self.epoch, self.piece, self.row, self.digest = other.epoch, other.piece, other.row, other.digest
 
     def state_dict(self) -> dict:
         return {"stream": self.stream, "streams": self.sub_streams.streams, "epoch": self.epoch,
-                "piece": self.piece, "row": self.row, "dealt": self.sub_streams.fingerprint(self.stream, self.epoch)}
+                "piece": self.piece, "row": self.row, "dealt": self.sub_streams.fingerprint(self.stream, self.epoch),
+                "digest": self.digest.hex()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a state_dict() of this sub-stream; one line for anything a checkpoint of it
@@ -120,7 +133,7 @@ class Cursor:
         if not isinstance(state, dict) or set(state) != set(self.FIELDS):  # keys of any type
             got = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
             raise UsageError(f"{where} is not one: it holds {got}, not {', '.join(self.FIELDS)}")
-        for field in self.FIELDS[:-1]:
+        for field in self.FIELDS[:-2]:
             if type(state[field]) is not int or not 0 <= state[field] < LIMIT:  # type(): a bool is no row
                 raise UsageError(f"{where}: {field} is {state[field]!r}, not a whole number from 0 to 2**63 - 1")
         if (state["stream"], state["streams"]) != (self.stream, self.sub_streams.streams):
@@ -134,31 +147,81 @@ class Cursor:
         if state["dealt"] != self.sub_streams.fingerprint(self.stream, epoch):  # any other type differs too
             raise UsageError(f"{where}: it counts in other pieces than this run deals it in epoch {epoch} "
                              "(another corpus or seed, or a numpy that shuffles otherwise)")
-        self.epoch, self.piece, self.row = epoch, piece, row
+        digest = integrity.checked_digest(state["digest"], where)
+        if row == 0 and digest != integrity.START:
+            raise UsageError(f"{where}: a digest of documents before row 0")
+        self.epoch, self.piece, self.row, self.digest = epoch, piece, row, digest
 
 
-def documents(cursor: Cursor, read: Read, epochs: int | None = None) -> Iterator[str]:
+def documents(cursor: Cursor, read: Read, epochs: int | None = None, seen: PiecesRead | None = None) -> Iterator[str]:
     """The documents of the cursor's sub-stream from where it stands, piece after piece and epoch
     after epoch, until epoch `epochs` (None: without end), moving the cursor as it goes.
 
     read(piece, start_row) yields (row, text) for a piece's documents from start_row on, rows
     rising: a row it leaves out (an empty document, say) is not yielded and not counted. A
-    start_row past the piece's end is read's to refuse: only it knows where the piece ends."""
+    start_row past the piece's end is read's to refuse: only it knows where the piece ends.
+
+    What is read again is checked (integrity.py): a piece entered mid-way (a resume), its
+    documents before the cursor's row against the cursor's digest; with `seen`, a piece read
+    whole before, whole, before any of it is handed out; each piece read whole is recorded in
+    `seen`, or checked against what it holds."""
+    describe = cursor.sub_streams.describe
     while epochs is None or cursor.epoch < epochs:
         pieces = cursor.sub_streams.pieces(cursor.stream, cursor.epoch)
         whole_epoch, found = (cursor.piece, cursor.row) == (0, 0), False
         while cursor.piece < len(pieces):
-            for row, text in read(pieces[cursor.piece], cursor.row):
+            piece = pieces[cursor.piece]
+            if seen is not None and cursor.row == 0 and seen.expected(piece) is not None:
+                seen.finished(piece, integrity.piece_digest(read(piece, 0)), describe)  # read before: checked first
+            for row, text in read_checked(cursor, read):
                 if row < cursor.row:  # a resume at row + 1 would read it again
-                    raise ValueError(f"read({pieces[cursor.piece]}, ...) gave row {row} after asked "
-                                     f"for row {cursor.row} on")
-                cursor.row, found = row + 1, True
+                    raise ValueError(f"read({piece}, ...) gave row {row} after asked for row {cursor.row} on")
+                cursor.row, cursor.digest, found = row + 1, integrity.chained(cursor.digest, row, text), True
                 yield text  # the cursor points past it already: a state taken now resumes after it
-            cursor.piece, cursor.row = cursor.piece + 1, 0
+            if seen is not None:
+                seen.finished(piece, cursor.digest, describe)
+            cursor.piece, cursor.row, cursor.digest = cursor.piece + 1, 0, integrity.START
         if whole_epoch and not found:  # on without end, the next epochs would be searched forever
             raise UsageError(f"sub-stream {cursor.stream} read no document in epoch {cursor.epoch}: its pieces "
                              f"{pieces[:8]} hold none, though their sizes say they hold data")
         cursor.epoch, cursor.piece, cursor.row = cursor.epoch + 1, 0, 0
+
+
+def read_checked(cursor: Cursor, read: Read) -> Iterator[tuple[int, str]]:
+    """read(piece, cursor.row) for the cursor's piece, where a cursor inside it (row > 0: a
+    resume) reads its documents before that row too (read from row 0, as a compressed stream
+    must be anyway) and checks that they chain to the cursor's digest before handing out the
+    first document after them: one line naming the row otherwise (integrity.py)."""
+    piece, start = cursor.sub_streams.pieces(cursor.stream, cursor.epoch)[cursor.piece], cursor.row
+    if start == 0:
+        yield from read(piece, 0)
+        return
+    read(piece, start)  # a row the piece lacks, or a shard that is not as listed: read's own line, at once
+    digest, checked = integrity.START, False
+    for row, text in read(piece, 0):
+        if row < start:
+            digest = integrity.chained(digest, row, text)
+            continue
+        if not checked:
+            _check_prefix(cursor, piece, digest)
+            checked = True
+        yield row, text
+    if not checked:
+        _check_prefix(cursor, piece, digest)
+
+
+def _check_prefix(cursor: Cursor, piece: int, digest: bytes) -> None:
+    if digest != cursor.digest:
+        raise UsageError(f"{cursor.sub_streams.describe(piece, cursor.row)}: the documents before it differ from "
+                         f"those the run read there: {integrity.CHANGED}")
+
+
+def check_read(cursor: Cursor, read: Read) -> None:
+    """The documents before the cursor in its piece, read again and checked (read_checked), as a
+    resume's check of a checkpoint's position; a cursor at the end of its epoch has none."""
+    if cursor.piece < len(cursor.sub_streams.pieces(cursor.stream, cursor.epoch)):
+        for _ in read_checked(cursor, read):
+            break
 
 
 def owned(streams: int, world_size: int, rank: int) -> list[int]:

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 import data
 from training.errors import UsageError
 from training.stream import order
+from training.stream.integrity import PiecesRead
 from training.stream.order import LIMIT, Cursor, SubStreams
 from model import IGNORE_INDEX
 from training.stream.packer import OPEN_ROWS, OnlinePacker, row_tensors
@@ -60,11 +61,14 @@ class SubStreamRows(Iterator[tuple[torch.Tensor, ...]]):
     flush. Either way every token of every document (after its [BOT]) is a target exactly once
     an epoch. An object given state_dict() taken after any row gives the rows this one gives
     next, bitwise. read(piece, start_row) is the run's reader (order.Read); `tokenizer` the
-    run's, its [PAD] the padding."""
+    run's, its [PAD] the padding. What it reads again is checked against what it read
+    (integrity.py); `known`: the digests of the pieces the run had read by the checkpoint it
+    resumed from (integrity.known_pieces)."""
 
     def __init__(self, sub_streams: SubStreams, stream: int, read: order.Read, tokenizer: Tokenizer, seq_len: int,
-                 pack: bool, epochs: int | None, open_rows: int = OPEN_ROWS):
+                 pack: bool, epochs: int | None, open_rows: int = OPEN_ROWS, known: dict[int, int] | None = None):
         self.read, self.seq_len, self.epochs = read, seq_len, epochs
+        self.seen = PiecesRead(known)
         self.tokenizer, self.exact_cuts = _for_text(tokenizer)  # a copy: "[EOT]" in a text is text
         self.pad_id = tokenizer.token_to_id(data.PAD)
         self.cursor = Cursor(sub_streams, stream)  # where reading stands: past the document in progress
@@ -74,7 +78,7 @@ class SubStreamRows(Iterator[tuple[torch.Tensor, ...]]):
         self.cursor, self.packer = cursor, packer
         self._targets = targets  # real targets in the rows handed out since epoch 0: a run's tokens_seen
         self._at = Cursor(cursor.sub_streams, cursor.stream)  # where the document in progress was read from
-        self._documents = order.documents(cursor, self.read, self.epochs)
+        self._documents = order.documents(cursor, self.read, self.epochs, self.seen)
         self._windows, self._window = [], 0  # the document in progress's windows, and the next one's index
         self._flush = None  # at the stream's end: (the packer's state before its flush, the rows it flushed)
         self._flushed = flushed  # of those, the rows handed out
@@ -82,7 +86,7 @@ class SubStreamRows(Iterator[tuple[torch.Tensor, ...]]):
     def _next_window(self) -> np.ndarray | None:
         """The next window of the sub-stream, or None: it has no more documents."""
         while self._window == len(self._windows):
-            self._at.epoch, self._at.piece, self._at.row = self.cursor.epoch, self.cursor.piece, self.cursor.row
+            self._at.moved_to(self.cursor)
             text = next(self._documents, None)
             if text is None:
                 return None
@@ -124,20 +128,24 @@ class SubStreamRows(Iterator[tuple[torch.Tensor, ...]]):
         next document where none is; "window": the index of that document's next window (0 where
         none is in progress); "packer": the OnlinePacker's state_dict (None for padded rows), at
         the stream's end its state before its flush; "flushed": the rows of that flush handed
-        out; "targets": the real (non-pad) targets of every row handed out, for the run's count}. Ints, strs and the packer's tensor of tokens: torch.load(weights_only=True) reads it."""
+        out; "targets": the real (non-pad) targets of every row handed out, for the run's count;
+        "read": the digests of the pieces it has read whole (integrity.PiecesRead.table(), a
+        tensor of (piece, digest) rows)}. Ints, strs and tensors: torch.load(weights_only=True)
+        reads it."""
         in_progress = self._window < len(self._windows)
         packer = None if self.packer is None else self._flush[0] if self._flush else self.packer.state_dict()
         return {"cursor": (self._at if in_progress else self.cursor).state_dict(),
                 "window": self._window if in_progress else 0, "packer": packer, "flushed": self._flushed,
-                "targets": self._targets}
+                "targets": self._targets, "read": self.seen.table()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a state_dict() of this sub-stream, in a run of the same corpus, seed,
         tokenizer, seq_len and epochs. Everything is checked before anything changes (a
         checkpoint may be hostile or stale): anything wrong is one UsageError naming what, and
-        leaves this object as it was. The document in progress is read and tokenized again."""
+        leaves this object as it was. The document in progress is read and tokenized again, and
+        the documents before it in its piece checked against the cursor's digest (integrity.py)."""
         where = f"sub-stream {self.cursor.stream}'s rows in the checkpoint"
-        keys = ("cursor", "window", "packer", "flushed", "targets")
+        keys = ("cursor", "window", "packer", "flushed", "targets", "read")
         if not isinstance(state, dict) or set(state) != set(keys):
             got = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
             raise UsageError(f"{where} are not a sub-stream's state: it holds {got}, not {', '.join(keys)}")
@@ -161,15 +169,17 @@ class SubStreamRows(Iterator[tuple[torch.Tensor, ...]]):
             of = f" of its {len(packer)} open rows" if packer is not None else ""
             raise UsageError(f"{where}: the packer's flush at the end handed out {flushed} rows{of}, and they stand "
                              f"in epoch {cursor.epoch} of {self.epochs} (a packer flushes after the last)")
+        seen = PiecesRead(self.seen.known)
+        seen.load(state["read"], len(cursor.sub_streams.piece_sizes), where)
         kept = dict(vars(self))
         try:
+            self.seen = seen
             self._start(cursor, packer, flushed, state["targets"])
             if window and self._next_window() is None:  # the document in progress, read and cut again
                 raise UsageError(f"{where}: window {window} of a document in progress, and no document is left "
                                  f"from row {self._at.row} of piece {self._at.piece} of epoch {self._at.epoch} on")
-            pieces = cursor.sub_streams.pieces(cursor.stream, cursor.epoch)
-            if not window and cursor.piece < len(pieces):  # the next document's place: read opened, not read
-                self.read(pieces[cursor.piece], cursor.row)  # (shards.reader refuses a row its piece lacks here)
+            if not window:  # the next document's place, and the documents before it in its piece, checked now
+                order.check_read(cursor, self.read)  # (with window, reading the document in progress did)
             if window and window >= len(self._windows):
                 raise UsageError(f"{where}: window {window} of the document at row {self._at.row} of piece "
                                  f"{self._at.piece} of epoch {self._at.epoch}, which is cut into "

@@ -182,6 +182,21 @@ def corpus_pieces(found: list[Shard]) -> list[tuple[Shard, int]]:
     return [(shard, piece) for shard in found for piece in range(len(shard.pieces))]
 
 
+def describe(source: Source, found: list[Shard]) -> Callable[[int, int | None], str]:
+    """describe(piece, row) for order.SubStreams: where row `row` of the corpus's piece `piece`
+    is, as a line names it ("shard PATH, row group 3, row 57", "shard PATH, line 58"); row
+    None: the piece ("shard PATH, row group 3", "shard PATH")."""
+    listed = corpus_pieces(found)
+
+    def where(piece: int, row: int | None) -> str:
+        shard, index = listed[piece]
+        said = f"shard {shard_path(source, shard)}" + (f", row group {index}" if shard.kind == "parquet" else "")
+        if row is None:
+            return said
+        return f"{said}, row {row:,}" if shard.kind == "parquet" else f"{said}, line {row + 1:,}"
+    return where
+
+
 def piece_sizes(found: list[Shard]) -> list[int]:
     """The size of each of the corpus's pieces (numbered as corpus_pieces numbers them) in one
     unit, for order.deal: rows where every piece counts its rows (parquet row groups); else
@@ -225,7 +240,7 @@ def _documents(path: Path | str, shard: Shard, piece: int, start_row: int, text_
                          "when listed: it changed during the run")
     if shard.kind == "parquet":
         return _parquet_documents(path, piece, rows, start_row, text_column)
-    return json_lines.documents(path, _open, shard.kind, start_row, text_column)
+    return json_lines.documents(path, _open, shard.kind, shard.size, start_row, text_column)
 
 
 def _parquet_documents(path: Path | str, piece: int, rows: int, start_row: int, text_column: str):
