@@ -44,6 +44,17 @@ def shard(model, mesh, dtype: torch.dtype, layers_kept_gathered: int = 0):
     return fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: starts each forward's gathers
 
 
+def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for FSDP's sharded gradients: the norm of the whole
+    model's gradient (each rank's shards' squares summed over a replica's ranks: one
+    all-reduce), returned, and every shard scaled by the same factor. benchmarks/step_rows.py's
+    FSDP rows clip with it too."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads).full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    return norm
+
+
 def main():
     cfg = config.parse_args(distributed=True, sharded=True, description=__doc__)
     # torchrun tells each process who it is. RANK: its place in the whole job;
@@ -148,9 +159,7 @@ def main():
 
         # ---- the optimizer step: clip, step, next LR, clear gradients ----
         # the gradient norm before clipping, logged as grad_norm (max_norm inf: no clipping)
-        grads = [p.grad for p in model.parameters() if p.grad is not None]  # FSDP: the shards'; their squares are
-        grad_norm = torch.nn.utils.get_total_norm(grads).full_tensor()  # summed over a replica's ranks: one all-reduce
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.grad_clip or math.inf, grad_norm)
+        grad_norm = clip_grad_norm(model, cfg.grad_clip or math.inf)  # FSDP: of the shards, above
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()

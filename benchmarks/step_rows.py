@@ -74,9 +74,7 @@ def build_row(spec: dict, cfg, vocab_size: int, device: torch.device, dtype: tor
 
     def clip():  # the gradient norm, clipped to --grad-clip (0: not clipped), as each script computes it
         if fsdp:
-            grads = [p.grad for p in raw.parameters() if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads).full_tensor()
-            torch.nn.utils.clip_grads_with_norm_(raw.parameters(), cfg.grad_clip or math.inf, norm)
+            train_fsdp.clip_grad_norm(raw, cfg.grad_clip or math.inf)
         else:
             torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip or math.inf)
     return model, optimizer, scheduler, clip

@@ -542,6 +542,21 @@ def test_the_trace_is_written_once_the_checkpoint_in_flight_is_on_disk(runs, tmp
     assert [p.name for p in traces(out)] == ["rank0.steps3-4.pt.trace.json"]
 
 
+def test_under_ddp_no_rank_exports_its_trace_before_rank_0s_checkpoint_is_on_disk(runs, tmp_path):
+    """The same under DDP, where rank 0 alone writes the checkpoint and the ranks may share the
+    disk: rank 1, which has no checkpoint of its own to wait for, waits for rank 0's. Rank 0's
+    write of step 4's checkpoint is held until a rank begins to export or rank 0 waits for it
+    (tests/inject_fault.py's hold-checkpoint): every rank's export must find it on disk."""
+    out = tmp_path / "run"
+    proc = run_script("train_ddp.py", profile_args(runs, out, "--profile", "--profile-warmup", "2"), nproc=2,
+                      wrapper="tests/inject_fault.py", env=fault_env(tmp_path, "hold-checkpoint", step=0),
+                      check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    logs = tmp_path / "fault-logs"
+    assert {rank: (logs / f"exported-rank{rank}.txt").read_text() for rank in (0, 1)} == {0: "[4]\n", 1: "[4]\n"}
+    assert [p.name for p in traces(out)] == ["rank0.steps3-4.pt.trace.json", "rank1.steps3-4.pt.trace.json"]
+
+
 def test_a_trace_killed_while_written_leaves_partial_files_that_the_resume_deletes_and_no_other(runs, tmp_path):
     """kill -9 while kineto writes the trace: its half-written file has a name of the
     project's own, which the resumed run deletes; a file or folder of the user's in
