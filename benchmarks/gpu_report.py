@@ -57,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=at_least(1), help="untimed steps a row first, compiling (default: 3 GPU, 1 CPU)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, help="default: on a GPU, not on a CPU")
     p.add_argument("--mb", type=at_least(1), help="MB of corpus to generate (default: 10 on a GPU, 1 on a CPU)")
-    p.add_argument("--peak-tflops", type=at_least(1e-9, float),
+    p.add_argument("--peak-tflops", type=at_least(0.001, float),
                    help="the device's bf16 peak for MFU, where metrics.GPU_BF16_PEAK_TFLOPS has none (default: that "
                         "table's; no MFU on a CPU)")
     p.add_argument("--time-limit", type=at_least(1), default=480,
