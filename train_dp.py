@@ -46,7 +46,7 @@ def main():
     optimizer, scheduler = build.optimizer(raw_model, cfg, total_steps)
     divergence = stopping.Divergence(cfg, tokenizer.get_vocab_size(), ckpt)  # real jobs: stops a run gone bad
     step = resume.from_checkpoint(ckpt, cfg, raw_model, optimizer, scheduler, steps_per_epoch)  # 0 for a new run
-    profiler = profiling.Profiler(cfg, rank, device, step, total_steps)  # --profile: docs/profiling.md
+    profiler = profiling.Profiler(cfg, rank, device, step, total_steps, raw_model)  # --profile: docs/profiling.md
     log = metrics.MetricsLog(cfg, enabled=is_main, resume_step=step, facts=train_ds.facts)  # and the trackers
     if is_main:
         run_folder.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
@@ -134,12 +134,12 @@ def main():
                 log.write({"step": step, "val_loss": val_loss, "val_bpb": val_bpb})
                 if is_main:  # tqdm.write prints even where the bar is disabled
                     tqdm.write(f"step {step}: val loss {val_loss:.4f} | {val_bpb:.4f} bits per byte")
-            profiler.end(step)  # after the last traced step: writes the trace
+            profiler.end(step, writer)  # after the last traced step: the trace, once the checkpoint is on disk
         if preempted:
             break
     pbar.close()
-    profiler.close()  # a run stopped within the traced steps: what it traced
     writer.wait()  # the last checkpoint is on disk before we go on
+    profiler.close()  # a run stopped within the traced steps: what it traced, in the room the checkpoint left
 
     if step == total_steps:  # the whole model's weights, for generate.py and export_hf.py
         full_state = raw_model.state_dict()  # raw_model, not model: no `module.` prefix in the keys

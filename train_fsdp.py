@@ -44,6 +44,17 @@ def shard(model, mesh, dtype: torch.dtype, layers_kept_gathered: int = 0):
     return fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: starts each forward's gathers
 
 
+def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for FSDP's sharded gradients: the norm of the whole
+    model's gradient (each rank's shards' squares summed over a replica's ranks: one
+    all-reduce), returned, and every shard scaled by the same factor. benchmarks/step_rows.py's
+    FSDP rows clip with it too."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads).full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    return norm
+
+
 def main():
     cfg = config.parse_args(distributed=True, sharded=True, description=__doc__)
     # torchrun tells each process who it is. RANK: its place in the whole job;
@@ -91,7 +102,7 @@ def main():
     optimizer, scheduler = build.optimizer(raw_model, cfg, total_steps)
     divergence = stopping.Divergence(cfg, tokenizer.get_vocab_size(), ckpt)  # real jobs: stops a run gone bad
     step = resume.from_checkpoint(ckpt, cfg, raw_model, optimizer, scheduler, steps_per_epoch)  # 0 for a new run
-    profiler = profiling.Profiler(cfg, rank, device, step, total_steps)  # --profile: docs/profiling.md
+    profiler = profiling.Profiler(cfg, rank, device, step, total_steps, raw_model)  # --profile: docs/profiling.md
     log = metrics.MetricsLog(cfg, enabled=is_main, resume_step=step, facts=train_ds.facts)  # and the trackers
     if is_main:
         run_folder.write_run_files(cfg.out_dir, tokenizer, raw_model)  # every check has passed
@@ -148,9 +159,7 @@ def main():
 
         # ---- the optimizer step: clip, step, next LR, clear gradients ----
         # the gradient norm before clipping, logged as grad_norm (max_norm inf: no clipping)
-        grads = [p.grad for p in model.parameters() if p.grad is not None]  # FSDP: the shards'; their squares are
-        grad_norm = torch.nn.utils.get_total_norm(grads).full_tensor()  # summed over a replica's ranks: one all-reduce
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.grad_clip or math.inf, grad_norm)
+        grad_norm = clip_grad_norm(model, cfg.grad_clip or math.inf)  # FSDP: of the shards, above
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -189,12 +198,12 @@ def main():
                 log.write({"step": step, "val_loss": val_loss, "val_bpb": val_bpb})
                 if is_main:  # tqdm.write prints even where the bar is disabled
                     tqdm.write(f"step {step}: val loss {val_loss:.4f} | {val_bpb:.4f} bits per byte")
-            profiler.end(step)  # after the last traced step: writes the trace
+            profiler.end(step, writer)  # after the last traced step: the trace, once the checkpoint is on disk
         if preempted:
             break
     pbar.close()
-    profiler.close()  # a run stopped within the traced steps: what it traced
     writer.wait()  # the last checkpoint is on disk before we go on
+    profiler.close()  # a run stopped within the traced steps: what it traced, in the room the checkpoint left
 
     if step == total_steps:  # the whole model's weights, for generate.py and export_hf.py
         full_state = sharded_checkpoint.full_model_state(raw_model)  # FSDP: a gather, so every rank calls it

@@ -57,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=at_least(1), help="untimed steps a row first, compiling (default: 3 GPU, 1 CPU)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, help="default: on a GPU, not on a CPU")
     p.add_argument("--mb", type=at_least(1), help="MB of corpus to generate (default: 10 on a GPU, 1 on a CPU)")
+    p.add_argument("--peak-tflops", type=at_least(0.001, float),
+                   help="the device's bf16 peak for MFU, where metrics.GPU_BF16_PEAK_TFLOPS has none (default: that "
+                        "table's; no MFU on a CPU)")
     p.add_argument("--time-limit", type=at_least(1), default=480,
                    help="seconds for the whole report; rows not started by then are left out (default 480)")
     p.add_argument("--tests", action=argparse.BooleanOptionalAction, default=True, help="run tests/test_cuda.py")
@@ -287,7 +290,8 @@ def main(argv=None, leave_at_once=False):
     report = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "args": vars(args),
               "command": " ".join(["python", "benchmarks/gpu_report.py", *(sys.argv[1:] if argv is None else argv)]),
               "machine": machine(device), "dtype": str(dtype).removeprefix("torch."),
-              "peak_tflops": metrics.peak_tflops(device, dtype), "rows": {r["name"]: {} for r in step_rows.rows()}}
+              "peak_tflops": args.peak_tflops or metrics.peak_tflops(device, dtype),
+              "rows": {r["name"]: {} for r in step_rows.rows()}}
     write_report(out, report)
     tests = start_cuda_tests(out, device.type == "cuda") if args.tests else None
     layouts = make_layouts(args, out, device)  # while the tests run: the CPU's work
@@ -306,7 +310,7 @@ def main(argv=None, leave_at_once=False):
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(device.type, (1,))
     flops = build.model(cfg, layouts["vocab_size"], dtype, "meta").flops_per_token(args.seq_len)  # shapes only
-    peak = report["peak_tflops"]
+    report["flops_per_token"], peak = flops, report["peak_tflops"]
     for spec in step_rows.rows():
         result = report["rows"][spec["name"]]
         if time.perf_counter() - started > args.time_limit:
@@ -315,6 +319,7 @@ def main(argv=None, leave_at_once=False):
             try:
                 result.update(step_rows.measure(spec, cfg, layouts[spec["layout"]], args.warmup, layouts["vocab_size"],
                                                 device, dtype, mesh))
+                # on real tokens: a padded row's pads are work the GPU did for nothing (docs/benchmarks.md)
                 result["mfu"] = result["tokens_per_s"] * flops / 1e12 / peak if peak else None
             except Exception as e:  # one row's failure (out of memory, a compile error) is its row's line
                 result["error"] = failed(e)

@@ -8,6 +8,7 @@ until a GPU has measured it faster than the baseline in one run of the report; t
 
 import dataclasses
 import gc
+import math
 import time
 from pathlib import Path
 
@@ -46,9 +47,11 @@ def rows() -> list[dict]:
                     row("padded, DDP", layout="padded"), row(f"{BASELINE}, again (the machine's drift)")]
 
 
-def build_row(spec: dict, cfg, vocab_size: int, device: torch.device, dtype: torch.dtype, mesh):
+def build_row(spec: dict, cfg, vocab_size: int, device: torch.device, dtype: torch.dtype, mesh,
+              total_steps: int = 10**6):
     """The model as the trainer of spec["wrap"] builds, compiles and wraps it, with the row's candidates; its
-    optimizer, and its clipping of the gradients (the trainer's)."""
+    optimizer, its schedule (over total_steps: the report's rows take a few of a long run's), and its clipping
+    of the gradients (the trainer's). tests/test_gpu_report.py trains a row as its trainer trains."""
     fsdp = spec["wrap"] == "FSDP"
     raw = build.model(cfg, vocab_size, torch.float32 if fsdp else dtype, "meta" if fsdp else device)
     for name in spec["candidates"]:
@@ -67,15 +70,13 @@ def build_row(spec: dict, cfg, vocab_size: int, device: torch.device, dtype: tor
     elif spec["wrap"] == "DDP":
         model = torch.nn.parallel.DistributedDataParallel(raw, device_ids=[device.index] if device.type == "cuda"
                                                           else None, **launch.DDP_OPTIONS)
-    optimizer, scheduler = build.optimizer(raw, cfg, total_steps=10**6)
+    optimizer, scheduler = build.optimizer(raw, cfg, total_steps)
 
-    def clip():  # the gradient norm, clipped to --grad-clip, as each script computes it
+    def clip():  # the gradient norm, clipped to --grad-clip (0: not clipped), as each script computes it
         if fsdp:
-            grads = [p.grad for p in raw.parameters() if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads).full_tensor()
-            torch.nn.utils.clip_grads_with_norm_(raw.parameters(), cfg.grad_clip, norm)
+            train_fsdp.clip_grad_norm(raw, cfg.grad_clip or math.inf)
         else:
-            torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip or math.inf)
     return model, optimizer, scheduler, clip
 
 
@@ -83,18 +84,8 @@ def measure(spec: dict, cfg, batches: list, warmup: int, vocab_size: int, device
     """Warm-up steps (compiling), then the timed steps: one optimizer step a batch, as the trainers step (the
     loss over the batch's targets, clipping, AdamW, the schedule). The data are on the device already: the
     trainers' read-ahead keeps the feed off the step (benchmarks/bench_read_ahead.py)."""
-    model, optimizer, scheduler, clip = build_row(spec, cfg, vocab_size, device, dtype, mesh)
     losses = []
-
-    def step(x, y, *packing):
-        n_tokens = (y != IGNORE_INDEX).sum()
-        loss_sum = model(x, y, *packing)[0].sum()
-        (loss_sum / n_tokens).backward()
-        clip()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss_sum.detach() / n_tokens)
+    step = train_step(*build_row(spec, cfg, vocab_size, device, dtype, mesh), losses)
     for batch in batches[:warmup]:
         step(*batch)
     sync(device)
@@ -115,9 +106,24 @@ def measure(spec: dict, cfg, batches: list, warmup: int, vocab_size: int, device
     return result
 
 
+def train_step(model, optimizer, scheduler, clip, losses: list):
+    """The row's optimizer step on one batch (one micro-batch: --grad-accum 1), as its trainer steps: the loss
+    over the batch's real targets, backward, clipping, AdamW, the schedule; each step's loss onto losses."""
+    def step(x, y, *packing):
+        n_tokens = (y != IGNORE_INDEX).sum()
+        loss_sum = model(x, y, *packing)[0].sum()
+        (loss_sum / n_tokens).backward()
+        clip()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss_sum.detach() / n_tokens)
+    return step
+
+
 def profile_one_step(cfg, device, step, batch) -> str:
     """One more step, traced as --profile traces one (the trainer's marks included): its trace's path."""
-    profiler = profiling.Profiler(cfg, 0, device, first_step=0, total_steps=1)
+    profiler = profiling.Profiler(cfg, 0, device, first_step=0, total_steps=1, model=None)  # no checkpoint
     profiler.begin(1)
     for micro_batch in profiler.micro_steps([batch]):
         step(*micro_batch)

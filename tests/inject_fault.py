@@ -19,6 +19,12 @@ first attempt only: after torchrun restarts the workers, the run goes on unharme
     slow-disk         the first checkpoint write hangs until training reaches FAULT_STEP;
                       a trainer that saved in its training loop would never get there
                       (train_fsdp.py: this rank's first write of its shards)
+    hold-checkpoint   (with --profile) this rank's checkpoint writes are held until the trainer waits
+                      for one in flight, and then until every other rank has either begun to export
+                      its trace or waits in a barrier after its first step (files in FAULT_LOG_DIR
+                      tell the ranks): a rank that exports without waiting for the checkpoint does so
+                      while it is unwritten. Each rank's export records which checkpoints were on
+                      disk then, in $FAULT_LOG_DIR/exported-rank<RANK>.txt (FAULT_STEP is unused)
     slow-prepare      loading the corpus takes FAULT_SECONDS longer than it does (a cold cache:
                       a download, a tokenizer to train); FAULT_STEP is unused
     sigterm-waiting   (with slow-prepare) every other rank gets SIGTERM, to itself alone, a second
@@ -125,6 +131,49 @@ if "slow-disk" in faults and armed:
 
     patch(pt_checkpoint, "save_checkpoint", slow(pt_checkpoint.save_checkpoint))
     patch(FileSystemWriter, "write_data", slow(FileSystemWriter.write_data))  # train_fsdp.py's shards
+
+if "hold-checkpoint" in faults:
+    from training import checkpoint, pt_checkpoint
+
+    logs = Path(os.environ["FAULT_LOG_DIR"])  # the ranks are processes: files tell them
+    released = logs / "released"
+    others = [r for r in range(int(os.environ.get("WORLD_SIZE", "1"))) if str(r) != rank]
+    real_save, real_wait = pt_checkpoint.save_checkpoint, checkpoint.CheckpointWriter.wait
+    real_export, real_barrier = torch.profiler.profile.export_chrome_trace, torch.distributed.barrier
+
+    def until(done):
+        deadline = time.monotonic() + 300  # (a rank gone wrong: the test fails on what it finds)
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def held_save(state, out_dir, keep):
+        until(released.exists)
+        real_save(state, out_dir, keep)
+        (logs / f"saved-{state['step']}").touch()
+
+    def waited(self):
+        if self.thread is not None:  # a save in flight (save() waits for the one before too)
+            until(lambda: all((logs / f"exported-rank{r}.txt").exists() or (logs / f"barrier-rank{r}").exists()
+                              for r in others))
+            released.touch()
+        real_wait(self)
+
+    def recorded_barrier(*args, **kwargs):
+        if steps:  # in training (launch.side_groups's, before it, is none of this)
+            (logs / f"barrier-rank{rank}").touch()
+        return real_barrier(*args, **kwargs)
+
+    def recorded_export(self, path):
+        on_disk = sorted(int(p.name.removeprefix("saved-")) for p in logs.glob("saved-*"))
+        with open(logs / f"exported-rank{rank}.txt", "a") as f:
+            f.write(f"{on_disk}\n")
+        return real_export(self, path)
+
+    if armed:
+        patch(pt_checkpoint, "save_checkpoint", held_save)
+        patch(checkpoint.CheckpointWriter, "wait", waited)
+    patch(torch.profiler.profile, "export_chrome_trace", recorded_export)
+    patch(torch.distributed, "barrier", recorded_barrier)
 
 if "kill-exporting" in faults and armed:
     real_export = torch.profiler.profile.export_chrome_trace

@@ -321,6 +321,10 @@ BAD_BENCH_FLAGS = [
     ("gpu_report.py", ["--out", "{tmp}/r", "--device", "cuda"], "--device cuda: torch sees no CUDA GPU here"),
     ("gpu_report.py", ["--out", "{tmp}/r", "--device", "cpu", "--model", "debug", "--seq-len", "4096"],
      "--seq-len 4096 exceeds the debug model's 1024 positions"),
+    ("gpu_report.py", ["--out", "{tmp}/r", "--device", "cpu", "--peak-tflops", "0"],
+     "argument --peak-tflops: must be at least 0.001, got 0"),  # MFU divides by it
+    ("gpu_report.py", ["--out", "{tmp}/r", "--device", "cpu", "--peak-tflops", "nan"],
+     "argument --peak-tflops: must be at least 0.001, got nan"),
 ]
 
 

@@ -477,14 +477,14 @@ def test_a_json_lines_shard_cut_short_while_it_is_read_stops_the_run_in_one_line
     for i in range(2):
         write(folder / f"j{i}.jsonl", documents(400, 20 + i, words=(30, 60)))
 
-    def cut_after_step_1(*args, real_step=torch.optim.AdamW.step, **kwargs):
+    def cut_after_step_1(*args, real_step=build.AdamW.step, **kwargs):
         cut_after_step_1.steps += 1
         if cut_after_step_1.steps == 1:
             for path in folder.iterdir():
                 path.write_bytes(b"".join(line + b"\n" for line in path.read_bytes().split(b"\n")[:40]))
         return real_step(*args, **kwargs)
     cut_after_step_1.steps = 0
-    monkeypatch.setattr(torch.optim.AdamW, "step", cut_after_step_1)
+    monkeypatch.setattr(build.AdamW, "step", cut_after_step_1)
     args = ["--stream", "--dataset", str(folder), "--tokenizer", str(tokenizer_file), *FAST_WITH_TOKENIZER, *MID_RUN,
             "--max-steps", "400", "--save-every", "1000", "--out-dir", str(tmp_path / "run")]
     assert script_in_process("train_dp.py", args) == 2

@@ -75,6 +75,16 @@ def check_checkpoint(ckpt, path, sharded: bool = False):
         raise UsageError(f"{path} is damaged: step {ckpt['step']}, {ckpt['steps_per_epoch']} steps per epoch")
 
 
+def room_to_keep(model) -> int:
+    """About the most disk the run's own files still take once a trace is written, which
+    --profile leaves free (training/profiling.py): a checkpoint (the weights and AdamW's two
+    moments of each, all as the weights' dtype) and model.pt (the weights again), and 1 MiB
+    for the rest (the run state, metrics rows). Every rank keeps it whole: the ranks may share
+    the disk. Under FSDP a DTensor counts its whole size, not this rank's shard."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 4 * weights + 2**20
+
+
 def to_prune(checkpoints: list[Path], saved: Path, keep: int) -> list[Path]:
     """After `saved` is written: all but the newest `keep` of the checkpoints up to it. Newer
     ones (steps a run took before it was stopped and resumed from an older checkpoint, the

@@ -78,8 +78,13 @@ def out_of_space(error: BaseException, folder: Path, needed: int) -> tuple[int, 
     except OSError:
         return None
     if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < needed:
-        return free, next(p for p in [folder.absolute(), *folder.absolute().parents] if os.path.ismount(p))
+        return free, mounted_at(folder)
     return None
+
+
+def mounted_at(folder: Path) -> Path:
+    """Where the disk that holds folder is mounted."""
+    return next(p for p in [folder.absolute(), *folder.absolute().parents] if os.path.ismount(p))
 
 
 def nbytes(obj) -> int:

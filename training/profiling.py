@@ -14,10 +14,15 @@ ends (an error, a signal, a full disk), the profiler is stopped and what it reco
 nothing left behind. Each file is written under a hidden name of the project's own
 (run_folder.partial_trace), renamed once whole: a session killed while writing leaves only such
 names, which the run's next session deletes (run_folder.remove_temp_files).
+
+The profiler never costs the run its checkpoints: the trace is written once the checkpoint in
+flight is on disk (every rank's), and kept only if the disk still has room for the run's next
+checkpoint and model.pt (checkpoint.room_to_keep); else it is deleted, with a warning.
 """
 
 import contextlib
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -26,7 +31,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from training import files, stopping
+from training import checkpoint, files, stopping
 from training.errors import UsageError, first_line
 from training.run_folder import PROFILE, partial_trace
 
@@ -47,10 +52,13 @@ class Profiler:
     (1, or the resumed one + 1) + --profile-warmup: compiling, the allocator's first requests
     and the data feed's start are over by then. Call begin(step) before each step and end(step)
     after it (step: the number of the step, from 1), and close() when the run ends. Made on
-    every rank at once: what one rank finds wrong (its trace's name taken, say) ends them all."""
+    every rank at once: what one rank finds wrong (its trace's name taken, say) ends them all.
+    model: the run's, whose size says how much room its checkpoints need (room_to_keep); None
+    where nothing is saved (benchmarks/step_rows.py's traced step)."""
 
-    def __init__(self, cfg, rank: int, device: torch.device, first_step: int, total_steps: int):
+    def __init__(self, cfg, rank: int, device: torch.device, first_step: int, total_steps: int, model):
         self.enabled = cfg.profile
+        self.room = checkpoint.room_to_keep(model) if model is not None else 0  # what the trace must leave free
         self.first = first_step + 1 + cfg.profile_warmup
         self.last = self.first + cfg.profile_steps - 1
         self.rank, self.device, self.out = rank, device, Path(cfg.out_dir) / PROFILE
@@ -128,7 +136,11 @@ class Profiler:
         """Whether end(step) writes the trace (a pause: not training time)."""
         return self.mark is not None and step == self.last
 
-    def end(self, step: int):
+    def end(self, step: int, writer: checkpoint.CheckpointWriter | None = None):
+        """After the step (its saving and evaluation included); after the last traced one, the
+        trace is written, once the checkpoint the writer may still be writing is on disk: on
+        every rank (a rank may share rank 0's disk), so that the trace takes only the room the
+        checkpoint left, and never the room it was being written into."""
         if self.mark is None:
             return
         if self.device.type == "cuda":
@@ -136,12 +148,17 @@ class Profiler:
         self.mark.__exit__(None, None, None)
         self.mark = None
         if step == self.last:
+            if writer is not None:
+                writer.wait()
+            if dist.is_initialized():  # every rank's checkpoint (DDP: rank 0's) is on disk
+                dist.barrier(**({"device_ids": [torch.cuda.current_device()]} if dist.get_backend() == "nccl" else {}))
             self.close()
 
     def close(self):
         """Stop and write what was recorded (all of it, or the steps a stopped run took). A
-        trace that cannot be written (a full disk) is a warning: the run's own files matter
-        more, and nothing half-written is left."""
+        trace that cannot be written (a full disk), or that leaves less free than the run's
+        next checkpoint and model.pt need (self.room), is a warning: the run's own files
+        matter more, and nothing of the trace is left."""
         if self.profiler is None:
             return
         profiler, self.profiler = self.profiler, None
@@ -157,6 +174,7 @@ class Profiler:
             _write_whole(lambda path: _export_trace(profiler, path), trace)
             if memory:
                 _write_whole(lambda path: torch.cuda.memory._dump_snapshot(str(path)), memory[0])
+            _leave_room(self.out, self.room, [trace, *memory])
         except (OSError, RuntimeError) as e:  # a full disk, a folder gone read-only: each rank says its own
             tqdm.write(f"warning: --profile: rank {self.rank}'s trace of steps {self.steps[0]}-{self.steps[-1]} was "
                        f"not written to {self.out}: {first_line(e)}", file=sys.stderr)  # (below the progress bar)
@@ -182,6 +200,18 @@ def _export_trace(profiler: torch.profiler.profile, path: Path):
             f.seek(max(0, path.stat().st_size - 64))
             if not f.read().rstrip().endswith(b"}"):
                 raise OSError(f"torch.profiler's exporter left {path.name} unfinished")
+
+
+def _leave_room(folder: Path, room: int, written: list[Path]):
+    """The trace's files, deleted unless the disk has `room` bytes free beside them: the run
+    writes its checkpoint and model.pt next, and they come first (a trace that fits whole but
+    leaves too little free would end the run at its next save, exit 2, with no checkpoint)."""
+    free = shutil.disk_usage(folder).free
+    if free < room:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise OSError(f"it left {free / 1e6:,.1f} MB free on the disk mounted at {files.mounted_at(folder)}, and "
+                      f"the run's next checkpoint and model.pt need about {room / 1e6:,.1f} MB")
 
 
 def _in_progress(final: Path) -> list[Path]:
