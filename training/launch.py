@@ -152,6 +152,12 @@ def job_store(timeout_minutes: float, wait_for_workers: bool = True):
     return dist.PrefixStore(f"attempt{restart_count()}/", store)
 
 
+def barrier():
+    """Every rank of the default group waits for the others. Under NCCL it names this rank's GPU:
+    without device_ids, NCCL guesses the GPU from the rank and may open a context on another."""
+    dist.barrier(**({"device_ids": [torch.cuda.current_device()]} if dist.get_backend() == "nccl" else {}))
+
+
 def side_groups(backend: str, timeout_minutes: float, data_timeout_minutes: float):
     """Two small gloo groups beside the main one. `prep` carries the turns of data preparation:
     on a cold cache local rank 0 may download and tokenize for hours while the others wait,
@@ -161,7 +167,7 @@ def side_groups(backend: str, timeout_minutes: float, data_timeout_minutes: floa
     # Every rank has joined first, within a training collective's timeout: making a group waits
     # for every rank as long as the group may wait (a day for `prep`), and a rank started with
     # another WORLD_SIZE, by hand, would never come.
-    dist.barrier(**({"device_ids": [torch.cuda.current_device()]} if dist.get_backend() == "nccl" else {}))
+    barrier()
     prep = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=data_timeout_minutes))
     control = (dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
                if backend == "nccl" else None)

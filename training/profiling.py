@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from training import checkpoint, files, stopping
+from training import checkpoint, files, launch, stopping
 from training.errors import UsageError, first_line
 from training.run_folder import PROFILE, partial_trace
 
@@ -151,7 +151,7 @@ class Profiler:
             if writer is not None:
                 writer.wait()
             if dist.is_initialized():  # every rank's checkpoint (DDP: rank 0's) is on disk
-                dist.barrier(**({"device_ids": [torch.cuda.current_device()]} if dist.get_backend() == "nccl" else {}))
+                launch.barrier()
             self.close()
 
     def close(self):
