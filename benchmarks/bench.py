@@ -6,19 +6,18 @@
 Table 1 is the tutorial's comparison: one process, nn.DataParallel (when there is more than
 one GPU), DDP and FSDP at world size 1..N (N = the GPUs, or 2 processes on a CPU; at most
 --max-world-size), and HSDP as 2 replicas at even N (train_fsdp.py --replicas 2; on one
-machine, and on a CPU above all, it shows that HSDP runs and what it holds, not what it saves
-on a network: benchmarks/bench_network.py counts that). FSDP and HSDP rows need torch 2.6 or
-newer; older ones leave them out. Every row
-trains the same global batch, eager and in --dtype auto's dtype (DataParallel cannot run a
-compiled model); tokens/s counts all positions of every rank. Its memory columns give each
-rank's bytes of weights, gradients and AdamW state, counted from the tensors it holds (its
-shards under FSDP), and its peak (CUDA max allocated, or peak RSS on a CPU). Table 3 counts
-those bytes per rank for the article and 1b presets at 1 to 8 ranks on the meta device,
-without allocating them. Table 2 starts
-from the tutorial's formulation (an explicit float causal+padding mask, fp32, logits
-returned and the loss taken outside the model) and turns our changes on one at a time.
-Both go to stdout and to --json. Synthetic right-padded batches are used, so no dataset
-is needed; timing starts after warm-up steps, on the same batches for every row.
+machine, and on a CPU above all, it shows that HSDP runs and what it holds, not what it
+saves on a network: benchmarks/bench_network.py counts that). Every row trains the same
+global batch, eager and in --dtype auto's dtype (DataParallel cannot run a compiled model);
+tokens/s counts all positions of every rank. Its memory columns give each rank's bytes of
+weights, gradients and AdamW state, counted from the tensors it holds (its shards under
+FSDP), and its peak (CUDA max allocated, or peak RSS on a CPU). Table 3 counts those bytes
+per rank for the article and 1b presets at 1 to 8 ranks on the meta device, without
+allocating them. Table 2 starts from the tutorial's formulation (an explicit float
+causal+padding mask, fp32, logits returned and the loss taken outside the model) and turns
+our changes on one at a time. Both go to stdout and to --json. Synthetic right-padded
+batches are used, so no dataset is needed; timing starts after warm-up steps, on the same
+batches for every row.
 """
 
 import argparse
@@ -36,8 +35,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
+import train_fsdp  # noqa: E402
 from model import IGNORE_INDEX, PRESETS, LlamaConfig, LlamaForPretraining  # noqa: E402
 from training import config, files, launch, memory, metrics, stopping  # noqa: E402
 from training.errors import ArgumentParser, UsageError, at_least, path_argument  # noqa: E402
@@ -234,15 +235,6 @@ def join_world(rank, world_size, port) -> torch.device:
     return device
 
 
-def fsdp_available() -> bool:
-    """FSDP2's fully_shard is public from torch 2.6 on; DP and DDP need only 2.5."""
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def distributed_worker(rank, world_size, port, args, dtype, kinds, results):
     """One world measures each kind in turn (FSDP before DDP: on a CPU the memory column is the
     peak RSS so far, and DDP's own peak is the larger)."""
@@ -251,8 +243,6 @@ def distributed_worker(rank, world_size, port, args, dtype, kinds, results):
     shard = [(x[rank::world_size], y[rank::world_size]) for x, y in synthetic_batches(args)]
     for kind in kinds:
         if kind != "DDP":  # as train_fsdp.py shards it: fp32 weights, `dtype` through the mixed-precision policy
-            import train_fsdp  # here, not at the top: DP and DDP rows run on torch 2.5 too
-            from torch.distributed.device_mesh import init_device_mesh
             shape, names = config.mesh_shape(2 if kind == HSDP else 1, world_size)  # HSDP: train_fsdp.py --replicas 2
             mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
             model = train_fsdp.shard(build(args, device, torch.float32), mesh, dtype)
@@ -295,12 +285,10 @@ def scaling_table(args, device, dtype, batches):
         del dp
     if device.type == "cuda":  # hand this process's cached blocks back: the workers share its GPUs
         torch.cuda.empty_cache()
-    kinds = ("DDP", "FSDP") if fsdp_available() else ("DDP",)
-    if "FSDP" not in kinds:
-        print(f"(no FSDP rows: torch {torch.__version__} has no torch.distributed.fsdp.fully_shard; it needs 2.6)")
+    kinds = ("DDP", "FSDP")
     measured = {}
     for world_size in range(1, args.max_world_size + 1):  # one world of processes per size, for every kind
-        here = (*kinds, *([HSDP] if "FSDP" in kinds and world_size % 2 == 0 else []))
+        here = (*kinds, *([HSDP] if world_size % 2 == 0 else []))
         results = mp.get_context("spawn").SimpleQueue()
         mp.spawn(distributed_worker, args=(world_size, free_port(), args, dtype, here[::-1], results),
                  nprocs=world_size)
@@ -392,8 +380,7 @@ def main(argv=None):
     tutorial = ablation[0][1]["steps_per_s"]
     ratios = {"ddp_world_1_vs_one_process": speed["DDP, world size 1"] / speed["one process"]}
     for n in range(1, args.max_world_size + 1):  # the worlds this run measured (one GPU: only 1)
-        if f"FSDP, world size {n}" in speed:
-            ratios[f"fsdp_vs_ddp_at_world_size_{n}"] = speed[f"FSDP, world size {n}"] / speed[f"DDP, world size {n}"]
+        ratios[f"fsdp_vs_ddp_at_world_size_{n}"] = speed[f"FSDP, world size {n}"] / speed[f"DDP, world size {n}"]
     ratios.update({f"{name} vs tutorial": row["steps_per_s"] / tutorial for name, row in ablation[1:]})
     print("\nRatios (tokens/s, side by side in this run):")
     for key, value in ratios.items():

@@ -21,20 +21,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
+import train_fsdp  # noqa: E402
 from benchmarks import bench  # noqa: E402
 from model import PRESETS, LlamaConfig, LlamaForPretraining  # noqa: E402
 from training import config, launch, stopping  # noqa: E402
-from training.errors import ArgumentParser, UsageError, at_least  # noqa: E402
+from training.errors import ArgumentParser, at_least  # noqa: E402
 
 
 def worker(rank, world_size, port, args, variant, results):
-    # FSDP2 is imported where it is used: on a torch before 2.6, main() says so in one line
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    import train_fsdp
     device = bench.join_world(rank, world_size, port)
     cuda = device.type == "cuda"
     mesh = init_device_mesh(device.type, (world_size,))
@@ -77,8 +75,6 @@ def main():
     p.add_argument("--steps", type=at_least(1), default=2)
     p.add_argument("--repeats", type=at_least(1), default=2, help="runs of each variant, alternating")
     args = p.parse_args()
-    if not bench.fsdp_available():
-        raise UsageError(f"bench_grouping.py measures FSDP2, which needs torch 2.6 or newer (this is {torch.__version__})")
     bench.check_shape(args.model, args.seq_len, args.batch_size, args.world_size)
     memory = "CUDA max allocated" if torch.cuda.is_available() else "peak RSS"
     print(f"{args.model} model, {args.world_size} ranks, {args.batch_size} x {args.seq_len} tokens per step: "

@@ -34,6 +34,7 @@ from pathlib import Path
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # before `datasets` is imported (by data.py)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root, from any folder
@@ -305,10 +306,7 @@ def main(argv=None, leave_at_once=False):
                              "0", "--profile-steps", "1", *(["--compile"] if args.compile else [])])
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                             rank=0, world_size=1)  # DDP and FSDP in a world of one
-    mesh = None
-    with contextlib.suppress(ImportError):
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh(device.type, (1,))
+    mesh = init_device_mesh(device.type, (1,))
     flops = build.model(cfg, layouts["vocab_size"], dtype, "meta").flops_per_token(args.seq_len)  # shapes only
     report["flops_per_token"], peak = flops, report["peak_tflops"]
     for spec in step_rows.rows():

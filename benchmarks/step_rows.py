@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+import train_fsdp
 from benchmarks.bench import peak_rss_gb, sync
 from model import IGNORE_INDEX
 from training import build, launch, profiling
@@ -63,7 +64,6 @@ def build_row(spec: dict, cfg, vocab_size: int, device: torch.device, dtype: tor
             block.compile()
     model = raw
     if fsdp:
-        import train_fsdp  # here: the DDP rows run on torch 2.5 too
         train_fsdp.shard(raw, mesh, dtype, **spec["fsdp"])
         raw.to_empty(device=device)
         build.init_weights(raw, cfg)

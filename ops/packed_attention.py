@@ -20,11 +20,6 @@ import torch
 import torch.nn.functional as F
 
 
-# Flex attention on CUDA from torch 2.6; 2.5's mishandled rows shorter than its block of 128
-# and lengths not a multiple of it. Before 2.6, CUDA takes the CPU's path (the same mask).
-FLEX_ON_CUDA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 6)
-
-
 @functools.cache
 def varlen_with_gqa() -> bool:
     """Whether this torch's varlen_attn serves grouped-query attention (torch 2.12 on): before,
@@ -39,7 +34,7 @@ def varlen_with_gqa() -> bool:
 
 
 def uses_flex(t: torch.Tensor) -> bool:
-    return t.is_cuda and FLEX_ON_CUDA
+    return t.is_cuda
 
 
 class Windows(NamedTuple):

@@ -210,8 +210,6 @@ def test_flex_attention_computes_the_packed_mask_forward_and_backward(dtype, ful
     under the whole mask), the output and the gradients of q, k and v. 600 positions: not a
     multiple of flex's blocks of 128. The floor: the plain formulation by SDPA's math kernel
     against its default one (the same sums, in another order)."""
-    if not packed_attention.FLEX_ON_CUDA:
-        pytest.skip("flex attention serves CUDA from torch 2.6")
     inputs = on_gpu(*attention_inputs(600, D=64), dtype=dtype)
     plain = attended(in_one_call, *inputs)
     with sdpa_kernel(SDPBackend.MATH):

@@ -357,14 +357,12 @@ def test_bench_memory_measures_every_row_in_a_process_of_its_own_and_estimates_w
     assert all(f"Table {n}" in printed for n in (1, 2, 3))
 
 
-def test_bench_on_one_gpu_and_without_fsdp_still_prints_every_table(tmp_path, monkeypatch, capsys):
-    """--max-world-size 1, as on a machine with one GPU, on a torch without FSDP2 (as torch 2.5,
-    which the README promises for DP and DDP: no fully_shard): Table 1 holds the rows it could
-    measure, the ratios only those, and Tables 2-3 and bench.json still come out. (Every row
-    is made up: the test above measures them all for real.)"""
+def test_bench_on_one_gpu_still_prints_every_table(tmp_path, monkeypatch, capsys):
+    """--max-world-size 1, as on a machine with one GPU: one world of one process measures DDP
+    and FSDP (no HSDP: it needs an even world), Table 1 holds those rows, the ratios only
+    theirs, and Tables 2-3 and bench.json still come out. (Every row is made up: the test
+    above measures them all for real.)"""
     from benchmarks import bench
-    import torch.distributed.fsdp as fsdp
-    monkeypatch.delattr(fsdp, "fully_shard")
     row = {"steps_per_s": 2.0, "peak_mem_gb": 0.5, "state_gb": 0.25}
     monkeypatch.setattr(bench, "time_steps", lambda *args, **kwargs: dict(row))
     spawned = []
@@ -380,10 +378,10 @@ def test_bench_on_one_gpu_and_without_fsdp_still_prints_every_table(tmp_path, mo
                 "--json", str(out)])
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
-    assert list(result["scaling"]) == ["one process", "DDP, world size 1"]
-    assert spawned == [("distributed_worker", ("DDP",), 1)]  # no FSDP, no world of 2
-    assert "no FSDP rows: torch" in printed
-    assert [key for key in result["ratios"] if "vs tutorial" not in key] == ["ddp_world_1_vs_one_process"]
+    assert list(result["scaling"]) == ["one process", "DDP, world size 1", "FSDP, world size 1"]
+    assert spawned == [("distributed_worker", ("FSDP", "DDP"), 1)]  # no HSDP, no world of 2
+    assert [key for key in result["ratios"] if "vs tutorial" not in key] == ["ddp_world_1_vs_one_process",
+                                                                             "fsdp_vs_ddp_at_world_size_1"]
     assert all(f"Table {n}" in printed for n in (1, 2, 3)) and result["memory_per_rank"]
 
 
@@ -398,14 +396,6 @@ def test_a_spawned_bench_worker_reports_its_own_peak_memory_not_its_parents():
                            capture_output=True, text=True, check=True)
     assert bench.peak_rss_gb() > 1.0 > float(child.stdout)  # the child imported torch, far below 1 GiB
     del held
-
-
-def test_bench_grouping_without_fsdp_is_one_line_and_exit_2(monkeypatch, capsys):
-    import torch.distributed.fsdp as fsdp
-    monkeypatch.delattr(fsdp, "fully_shard")
-    assert script_in_process("benchmarks/bench_grouping.py", []) == 2
-    assert capsys.readouterr().err.splitlines() == [
-        f"error: bench_grouping.py measures FSDP2, which needs torch 2.6 or newer (this is {torch.__version__})"]
 
 
 def test_bench_refuses_a_batch_that_cannot_fit_before_allocating_it(monkeypatch):

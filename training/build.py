@@ -4,7 +4,6 @@ FSDP call is made here: the scripts hold those. init_weights works on whatever i
 an FSDP model's sharded weights included.
 """
 
-import inspect
 import math
 from pathlib import Path
 
@@ -40,9 +39,6 @@ def init_weights(model: LlamaForPretraining, cfg: TrainConfig):
     An FSDP-sharded parameter takes this rank's shard of each whole tensor: no rank holds
     more than one whole tensor at a time (a file's are memory-mapped)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
-    # every rank holds the same whole value: from torch 2.7 each keeps its part with no
-    # communication (src_data_rank=None); torch 2.6 scatters rank 0's, the same values
-    local = {"src_data_rank": None} if "src_data_rank" in inspect.signature(distribute_tensor).parameters else {}
     if cfg.init_from:  # the weights themselves (config.py resolved a folder to its newest)
         path = Path(cfg.init_from)
         if path.is_dir():  # a train_fsdp.py checkpoint: DCP reads each rank's part
@@ -59,7 +55,9 @@ def init_weights(model: LlamaForPretraining, cfg: TrainConfig):
         values = model.initial_weights(cfg.seed)
     for param, value in values:
         if isinstance(param, DTensor):  # FSDP: this rank's part of the whole value
-            value = distribute_tensor(value, param.device_mesh, param.placements, **local).to_local()
+            # every rank holds the same whole value, so each keeps its part with no communication
+            # (src_data_rank=None; the default would scatter rank 0's, the same values)
+            value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
             param = param.to_local()
         param.copy_(value)
     model.base_model.rotary_emb.reset_tables()  # buffers too: to_empty left them uninitialized
@@ -83,22 +81,16 @@ def check_init_from(cfg: TrainConfig, vocab_size: int):
 
 class AdamW(torch.optim.AdamW):
     """torch's AdamW, less one question on a CPU. A CUDA build's step() first asks the current
-    CUDA stream whether it is capturing a graph. Newer torch (2.13 and 2.14 here) asks through
-    torch.accelerator.current_stream(): in a --device cpu run on a machine with GPUs, that opens a
-    CUDA context on GPU 0 in every process (0.3-0.5 GiB each) at the first step; older torch asks
-    torch.cuda.is_current_stream_capturing(), which starts CUDA's runtime in the process. Tensors
-    on a CPU are never captured: the question is asked only where the weights are on a GPU."""
+    CUDA stream whether it is capturing a graph (_accelerator_graph_capture_health_check). torch
+    2.13 and 2.14 ask through torch.accelerator.current_stream(): in a --device cpu run on a
+    machine with GPUs, that opens a CUDA context on GPU 0 in every process (0.3-0.5 GiB each) at
+    the first step; 2.11 and 2.12 ask torch.cuda.is_current_stream_capturing(), which starts
+    CUDA's runtime in the process. Tensors on a CPU are never captured: the question is asked
+    only where the weights are on a GPU."""
 
-    def _on_gpu(self) -> bool:
-        return self.param_groups[0]["params"][0].device.type != "cpu"
-
-    def _accelerator_graph_capture_health_check(self):  # newer torch's name for the question
-        if self._on_gpu():
+    def _accelerator_graph_capture_health_check(self):
+        if self.param_groups[0]["params"][0].device.type != "cpu":
             super()._accelerator_graph_capture_health_check()
-
-    def _cuda_graph_capture_health_check(self):  # older torch's
-        if self._on_gpu():
-            super()._cuda_graph_capture_health_check()
 
 
 def optimizer(model: torch.nn.Module, cfg: TrainConfig, total_steps: int):

@@ -183,7 +183,7 @@ def side_groups(backend: str, timeout_minutes: float, data_timeout_minutes: floa
 #   adds into them instead, which measured no faster (docs/benchmarks.md);
 # - no buffer sync before each forward: our only buffers are RoPE's cos/sin tables, which
 #   every rank computes identically, so broadcasting them every step is wasted traffic.
-#   (torch 2.13 renamed broadcast_buffers to forward_sync_buffers; torch 2.5 knows only the old name.)
+#   (torch 2.13 renamed broadcast_buffers to forward_sync_buffers; older torch knows only the old name.)
 _DDP_ARGS = inspect.signature(DistributedDataParallel).parameters
 _SYNC_BUFFERS = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"
 NO_BUFFER_SYNC = {_SYNC_BUFFERS: False}

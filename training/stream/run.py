@@ -24,20 +24,18 @@ of a node of 8 GPUs receives one state a step and a lone GPU 8 (about 3 ms a ste
 ReadAhead's thread); a checkpoint holds 8 (below); the run resumes at 1, 2, 4 or 8 ranks. A
 job of more ranks needs more sub-streams: --sub-streams sets them.
 
-The states: every rank's owned sub-streams' states (StreamFeed.state_dict(), or ReadAhead's:
-those of the steps handed to the loop) are gathered with dist.all_gather_object, which pickles
-them (a tensor: its storage whole, in torch.save's format, about 0.9 KB more than its bytes; a
-view would carry the storage it views: the states own theirs) and unpickles them with pickle:
-from the job's own ranks, never from a file. Every rank receives them and rank 0 keeps them:
-gather_object would send them to rank 0 alone, but names it as a rank of the default group
-before torch 2.6 (group_dst), which a group made by hand (the tests') is not, and the others'
-copy is brief. Rank 0 saves them with the rest of the checkpoint, which both formats write
-there (pt_checkpoint: the .pt file; sharded_checkpoint: train_state.pt); torch.load(weights_only=
-True) reads them back. A resumed rank takes the states of the sub-streams it owns
-(owned_states), at any world size that divides S. bench_stream.py --sections checkpoint (8
-packed sub-streams, 128 rows open each, 2 ranks): 1.98 / 4.02 / 8.22 MB in the checkpoint at
---seq-len 512 / 1024 / 2048, each rank sending half, gathered in 7 / 11 / 17 ms (gloo ranks as
-threads of one process, on a shared 2-core machine).
+The states: every rank's owned sub-streams' states (StreamFeed.state_dict(), or ReadAhead's: those
+of the steps handed to the loop) are gathered with dist.all_gather_object, which pickles them (a
+tensor: its storage whole, in torch.save's format, about 0.9 KB more than its bytes; a view would
+carry the storage it views: the states own theirs) and unpickles them with pickle: from the job's
+own ranks, never from a file. Every rank receives them and rank 0 keeps them: gather_object
+(group_dst=0) would send them to rank 0 alone, but the others' copy is brief. Rank 0 saves them
+with the rest of the checkpoint, which both formats write there (pt_checkpoint: the .pt file;
+sharded_checkpoint: train_state.pt); torch.load(weights_only=True) reads them back. A resumed rank
+takes the states of the sub-streams it owns (owned_states), at any world size that divides S.
+bench_stream.py --sections checkpoint (8 packed sub-streams, 128 rows open each, 2 ranks): 1.98 /
+4.02 / 8.22 MB in the checkpoint at --seq-len 512 / 1024 / 2048, each rank sending half, gathered
+in 7 / 11 / 17 ms (gloo ranks as threads of one process, on a shared 2-core machine).
 
 How the scripts use it: config.validate calls check_flags; dataset.Corpus (run_data.prepare)
 calls sub_streams and, on a resume, check_resume before anything is written; before each save
