@@ -3,6 +3,7 @@ for the two training scripts (in a subprocess, as a user would run them)."""
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import functools
 import gzip
@@ -278,6 +279,22 @@ NOT_THE_TESTS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCT
 # read once the script runs, never while importing what the server imported.
 FORKABLE_VARIABLES = NOT_THE_TESTS | {"PERTURB", "SPY_DIR", "WATCH_DIR", "WRITE_LOG_DIR", "FAULT", "FAULT_STEP",
                                       "FAULT_RANK", "FAULT_AFTER_FILE", "FAULT_BYTES", "FAULT_SECONDS", "FAULT_LOG_DIR"}
+
+
+@pytest.fixture
+def unlistable(monkeypatch):
+    """unlistable(folder): os.scandir (what os.walk lists a folder with) fails on that folder as it
+    fails for a user on a folder of mode 000. chmod itself cannot show it here: the tests run as
+    root, whose override lists any folder."""
+    def make(folder: Path):
+        listing = os.scandir
+
+        def scandir(path="."):
+            if os.path.realpath(path) == os.path.realpath(folder):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+            return listing(path)
+        monkeypatch.setattr(os, "scandir", scandir)
+    return make
 
 
 @pytest.fixture

@@ -3,6 +3,8 @@ embedded default, the fingerprint a resume checks, and the held-out split."""
 
 import gzip
 import json
+import lzma
+import sys
 
 import datasets
 import pyarrow as pa
@@ -89,6 +91,46 @@ def test_a_folder_yields_every_file_datasets_can_read_and_names_what_it_skips(tm
         assert skipped in warning[0]
 
 
+def test_a_folder_that_cannot_be_listed_is_one_line_naming_it(tmp_path, unlistable):
+    """A subfolder of mode 000 (to a user without root's override): os.walk passed over it in
+    silence, and the run trained on the other folders' documents (59 of 111 in round six)."""
+    root = tmp_path / "data"
+    for folder in ("a", "b", "b/deeper"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "part.txt").write_text(f"a document of {folder}\n")
+    assert len(corpus.load_corpus(str(root))) == 3
+    unlistable(root / "b")
+    with pytest.raises(UsageError) as refused:
+        corpus.load_corpus(str(root))
+    assert str(refused.value) == f"cannot list the folder {root / 'b'} of --dataset {root} (Permission denied): " \
+                                 "its files would be left out of the run; make it readable, or move it out of the folder"
+
+
+def test_the_embedded_corpus_names_a_folder_it_cannot_list(unlistable, capsys):
+    """The interpreter's own files, not the user's: the run goes on without them, and says so."""
+    json_folder = next(f for f in corpus.stdlib_files() if f.endswith("/json/decoder.py")).rsplit("/", 1)[0]
+    unlistable(json_folder)
+    files = corpus.stdlib_files()
+    assert files and not [f for f in files if f.startswith(json_folder + "/")]
+    assert capsys.readouterr().err == f"warning: the embedded corpus (stdlib) leaves out {json_folder}: it cannot be " \
+                                      "listed (Permission denied)\n"
+
+
+@pytest.mark.parametrize("name", ["c.jsonl.gz", "c.txt.xz"])
+def test_a_compressed_file_of_0_bytes_is_damaged_not_empty(tmp_path, name):
+    """`gzip -t` refuses it, as it refuses a file cut short anywhere else (a file compressed from
+    nothing still holds a header): it was read as a file of no documents, in silence."""
+    (tmp_path / "a.txt").write_text("a document\n")
+    (tmp_path / name).write_bytes(b"")
+    with pytest.raises(UsageError) as refused:
+        corpus.load_corpus(str(tmp_path))
+    assert str(refused.value) == f"cannot read {tmp_path / name}: it is empty (0 bytes), and a compressed file " \
+                                 "holds at least its header: it is damaged or was cut short; replace it, or remove it"
+    raw = b'{"text": "repaired"}\n' if ".jsonl" in name else b"repaired\n"
+    (tmp_path / name).write_bytes(gzip.compress(raw) if name.endswith(".gz") else lzma.compress(raw))
+    assert sorted(corpus.load_corpus(str(tmp_path))["text"]) == ["a document", "repaired"]
+
+
 def test_a_zstd_shard_is_read_or_names_the_package_it_needs(tmp_path):
     import importlib.util
     (tmp_path / "part-0.jsonl.zst").write_bytes(b"(\xb5/\xfd not really zstd")
@@ -134,6 +176,21 @@ def test_a_line_that_is_not_json_is_numbered_as_the_files_lines_are(tmp_path, na
     with pytest.raises(UsageError) as refused:
         corpus.load_corpus(str(path))
     assert str(refused.value) == f"cannot read {path}: JSON parse error on line {bad}: {said}"
+
+
+@pytest.mark.parametrize("line", ["[" * 100_000, '{"text": "x", "meta": ' + "[" * 5000 + "]" * 5000 + "}"],
+                         ids=["not-json", "json-nested-5000-deep"])
+def test_a_line_nested_deeper_than_json_can_read_is_one_line_naming_it(tmp_path, line):
+    """Python's JSON reader recurses a level at a time, and `datasets` reads a schema so: a
+    RecursionError traceback (exit 1), or a line that named neither the file nor the line."""
+    path = tmp_path / "b.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(30)) + line + "\n")
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "fine"}) + "\n")
+    with pytest.raises(UsageError) as refused:
+        corpus.load_corpus(str(tmp_path))
+    assert str(refused.value) == f"cannot read {path}: JSON parse error on line 31: arrays or objects nested deeper " \
+                                 f"than Python's JSON reader can follow (its recursion limit, " \
+                                 f"{sys.getrecursionlimit():,} levels)"
 
 
 def test_a_document_that_is_not_utf8_is_one_line_naming_it(tmp_path):

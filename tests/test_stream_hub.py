@@ -110,7 +110,7 @@ def test_a_split_is_its_files_at_the_head_commit_named_by_their_path_in_name_ord
     assert hub_source(DATASET, "sample", None).pin.revision == SHA_B  # a new run reads the head
     # --stream accepts a Hub id and its flags; hub_source resolves it when the run starts
     cfg = config.parse_args(["--stream", "--dataset", DATASET, "--dataset-config", "sample", "--split", "test",
-                             "--out-dir", str(tmp_path / "out")])
+                             "--max-steps", "50", "--out-dir", str(tmp_path / "out")])
     assert (cfg.dataset, cfg.dataset_config, cfg.split) == (DATASET, "sample", "test")
 
 
@@ -170,7 +170,8 @@ def record_of(cfg, source: HubSource, tokenizer) -> dict:
 
 def test_the_record_holds_the_pin_and_a_changed_remote_file_is_one_line_naming_it(fake_hub, tmp_path, tokenizer):
     fake_hub.push(SHA_A, folder_of(tmp_path, SMALL))
-    cfg = config.parse_args(["--stream", "--dataset", DATASET, "--out-dir", str(tmp_path / "out"), "--seq-len", "8"])
+    cfg = config.parse_args(["--stream", "--dataset", DATASET, "--out-dir", str(tmp_path / "out"), "--seq-len", "8",
+                             "--max-steps", "50"])
     source = hub_source(DATASET, None, None)
     recorded = through_a_checkpoint({"record": record_of(cfg, source, tokenizer)})["record"]
     assert recorded["hub"] == {"dataset": DATASET, "config": None, "split": "train", "revision": SHA_A}
@@ -194,7 +195,8 @@ def test_a_resume_of_another_dataset_config_or_split_is_one_line(fake_hub, tmp_p
     """The pins compared where both runs read a Hub dataset; another split is resolved at the
     head (the recorded commit is the recorded split's)."""
     fake_hub.push(SHA_A, folder_of(tmp_path, SMALL))
-    cfg = config.parse_args(["--stream", "--dataset", DATASET, "--out-dir", str(tmp_path / "out"), "--seq-len", "8"])
+    cfg = config.parse_args(["--stream", "--dataset", DATASET, "--out-dir", str(tmp_path / "out"), "--seq-len", "8",
+                             "--max-steps", "50"])
     recorded = record_of(cfg, hub_source(DATASET, "sample", None), tokenizer)
     fake_hub.push(SHA_B, tmp_path)
     for config_name, split, now in [("sample", "test", f"Hub dataset {DATASET} (config sample, split test) at "
@@ -218,7 +220,8 @@ def test_a_resume_of_another_dataset_config_or_split_is_one_line(fake_hub, tmp_p
 ])
 def test_a_hostile_pin_is_one_line(fake_hub, tmp_path, tokenizer, pin, said):
     fake_hub.push(SHA_A, folder_of(tmp_path, SMALL))
-    cfg = config.parse_args(["--stream", "--dataset", DATASET, "--out-dir", str(tmp_path / "out"), "--seq-len", "8"])
+    cfg = config.parse_args(["--stream", "--dataset", DATASET, "--out-dir", str(tmp_path / "out"), "--seq-len", "8",
+                             "--max-steps", "50"])
     good = record_of(cfg, hub_source(DATASET, None, None), tokenizer)
     assert said in one_line(run.check_resume, {**good, "hub": pin}, good, "ckpt.pt")
     if isinstance(pin, dict):  # a resume resolves nothing from it

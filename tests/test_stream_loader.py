@@ -259,6 +259,21 @@ def test_a_shard_damaged_mid_stream_is_one_line_from_a_worker(tmp_path, tokenize
     assert "bad.jsonl: line 2: JSON parse error" in str(error.value) and "\n" not in str(error.value)
 
 
+def test_a_line_nested_too_deep_for_json_mid_stream_is_one_line_from_a_worker(tmp_path, tokenizer):
+    """A line of 100,000 "[" that a worker meets: Python's JSON reader recursed into a
+    RecursionError, the worker's traceback, exit 1. Now the line any bad JSON line is."""
+    for i in range(4):
+        write(tmp_path / f"{i}.parquet", [f"document {i} {j} " * 5 for j in range(30)])
+    fine = '{"text": "' + "x" * 100_000 + '"}'
+    write_lines(tmp_path / "bad.jsonl", ['{"text": "fine"}', fine])
+    corpus = Corpus(tmp_path)
+    write_lines(tmp_path / "bad.jsonl", ['{"text": "fine"}', "[" * len(fine)])  # the size it was listed at
+    with pytest.raises(UsageError) as error:
+        list(feed_of(corpus, tokenizer, False, num_workers=2))
+    assert "bad.jsonl: line 2: JSON parse error: arrays or objects nested deeper than Python's JSON reader can " \
+           "follow" in str(error.value) and "\n" not in str(error.value)
+
+
 # ---------------------------------------------------------------------------------------
 # What a run is given: one line for what cannot work
 

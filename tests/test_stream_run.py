@@ -50,7 +50,7 @@ def folder(tmp_path):
 
 def cfg_of(source, tmp_path, *flags):
     return config.parse_args(["--stream", "--dataset", str(source), "--out-dir", str(tmp_path / "out"),
-                              "--seq-len", "8", "--sub-streams", "2", *flags])
+                              "--seq-len", "8", "--sub-streams", "2", "--max-steps", "50", *flags])
 
 
 def record_of(cfg, source, tokenizer, held_out_count: int = 4, streams: int = 2) -> dict:
@@ -174,9 +174,10 @@ def test_the_flags_parse_and_are_refused_where_they_cannot_work(folder, tmp_path
     out = ["--out-dir", str(tmp_path / "out")]
     plain = config.parse_args(out)
     assert (plain.stream, plain.sub_streams) == (False, None)
-    cfg = config.parse_args(["--stream", "--dataset", str(folder), "--sub-streams", "4", *out])
-    assert (cfg.stream, cfg.sub_streams, cfg.batch_size) == (True, 4, 16)
-    assert config.parse_args(["--stream", "--dataset", str(folder / "b.jsonl"), *out]).sub_streams is None
+    steps = ["--max-steps", "50"]  # a stream has no length: --model's preset gives it none
+    cfg = config.parse_args(["--stream", "--dataset", str(folder), "--sub-streams", "4", *steps, *out])
+    assert (cfg.stream, cfg.sub_streams, cfg.batch_size, cfg.max_steps) == (True, 4, 16, 50)
+    assert config.parse_args(["--stream", "--dataset", str(folder / "b.jsonl"), *steps, *out]).sub_streams is None
     refusals = [
         (["--dataset", str(folder), "--sub-streams", "4"], "--sub-streams sets how many sub-streams --stream deals "
                                                             "the shards into: add --stream, or leave it out"),
@@ -189,9 +190,17 @@ def test_the_flags_parse_and_are_refused_where_they_cannot_work(folder, tmp_path
         (["--stream", "--dataset", str(tmp_path / "notes.txt")], "--stream reads .parquet/.jsonl/.jsonl.gz/.jsonl.zst "
                                                                  "shards, not"),
         (["--stream", "--dataset", str(tmp_path / "missing")], "dataset file or folder not found"),
+        # the stream's len(), --max-steps x --batch-size rows, must fit in 2**63 - 1 (an OverflowError otherwise)
+        (["--stream", "--dataset", str(folder), "--max-steps", str(10**12), "--batch-size", str(10**7)],
+         "--max-steps 1,000,000,000,000 x --batch-size 10,000,000 sequences are more than a run can count "
+         "(9,223,372,036,854,775,807): lower one of them"),
     ]
     for flags, said in refusals:
-        assert said in one_line(config.parse_args, [*flags, *out]), said
+        given = [] if "--max-steps" in flags else steps
+        assert said in one_line(config.parse_args, [*flags, *given, *out]), said
+    for model in ("debug", "tiny"):  # a preset's 50 or 250 steps were a stream's length, said nowhere
+        assert "--stream needs --max-steps" in one_line(config.parse_args, ["--stream", "--dataset", str(folder),
+                                                                            "--model", model, *out])
 
 
 @dataclasses.dataclass

@@ -196,15 +196,70 @@ def without(args: list[str], flag: str) -> list[str]:
     return args[:at] + args[at + 2:]
 
 
-@pytest.mark.parametrize("args, message", [  # --model debug brings --max-steps 50; article none
-    ([*without(streamed("{mixed}"), "--max-steps"), "--model", "article"], "--stream needs --max-steps"),
+@pytest.mark.parametrize("args, message", [
+    # a preset's 50 or 250 steps (debug, tiny) were taken in silence: a stream has no length
+    ([*without(streamed("{mixed}"), "--max-steps"), "--model", model], "--stream needs --max-steps")
+    for model in ("debug", "tiny", "article")] + [
     (streamed("{mixed}", "--epochs", "2"), "--epochs counts passes over a corpus tokenized before the run"),
-], ids=["no-max-steps", "epochs"])
+], ids=["no-max-steps-debug", "no-max-steps-tiny", "no-max-steps-article", "epochs"])
 def test_flags_a_stream_cannot_take_are_one_line_touching_nothing(mixed, tmp_path, args, message, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("the user's own file")
     refused_in_process("train_dp.py", [a.replace("{mixed}", str(mixed)) for a in args], out, message, capsys)
+
+
+@pytest.mark.parametrize("steps", [10**22, 2**63 - 1, 10**12 + 1])
+def test_more_steps_than_a_run_can_count_is_one_line_leaving_no_folder(mixed, tmp_path, steps, capsys):
+    """A stream is --max-steps x --batch-size rows long to the loop, past what len() holds: an
+    OverflowError traceback once the data was prepared, and an empty --out-dir left."""
+    out = tmp_path / "out"
+    args = [*without(streamed(mixed), "--max-steps"), "--max-steps", str(steps)]
+    refused_in_process("train_dp.py", args, out, f"--max-steps must be at most 1,000,000,000,000, got {steps:,}",
+                       capsys)
+    assert not out.exists()
+
+
+def unlisted_folder(folder, unlistable):
+    unlistable(folder / "c")
+
+
+def nested_line(folder, unlistable):
+    (folder / "c" / "e.jsonl").write_text("[" * 100_000 + "\n")
+
+
+def empty_gz(folder, unlistable):
+    (folder / "c" / "e.jsonl.gz").write_bytes(b"")
+
+
+LISTING_DAMAGE = {  # the shards as found, and the line naming what is wrong ({c}: the folder c below them)
+    "unlisted-folder": (unlisted_folder, "cannot list the folder {c} of --dataset {shards} (Permission denied): its "
+                                         "files would be left out of the run"),
+    "nested-100000-deep": (nested_line, "{c}/e.jsonl: line 1: JSON parse error: arrays or objects nested deeper than "
+                                        "Python's JSON reader can follow"),
+    "empty-gz": (empty_gz, "{c}/e.jsonl.gz: it is empty (0 bytes), and a compressed file holds at least its header: it "
+                           "is damaged or was cut short"),
+}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "map-style"])
+@pytest.mark.parametrize("case", LISTING_DAMAGE)
+def test_a_corpus_damaged_where_it_is_listed_is_one_line_leaving_no_folder(mixed, tmp_path, unlistable, case, stream,
+                                                                          capsys):
+    """Each was exit 0 with part of the corpus left out in silence (a folder os.walk could not
+    list, a 0-byte .jsonl.gz read as no documents) or a RecursionError traceback, with --stream
+    and without. Map-style names the JSON line as "on line 1"; the stream as "line 1"."""
+    damage, message = LISTING_DAMAGE[case]
+    folder = copy(mixed, tmp_path / "shards")
+    damage(folder, unlistable)
+    args = streamed(folder) if stream else ["--dataset", str(folder), *FAST]
+    message = message.format(c=folder / "c", shards=folder)
+    if not stream:
+        message = message.replace(": line 1:", ": JSON parse error on line 1:").replace(
+            "JSON parse error on line 1: JSON parse error:", "JSON parse error on line 1:")
+    out = tmp_path / "out"
+    refused_in_process("train_dp.py", args, out, message, capsys)
+    assert not out.exists()
 
 
 def set_state(stream: int, key: str, value, inner: str | None = None):

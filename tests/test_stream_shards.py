@@ -2,6 +2,7 @@
 documents of a piece read from any row, what a resume finds changed, and every damaged or
 hostile shard as one line that names the file and the row."""
 
+import dataclasses
 import gzip
 import importlib.util
 import json
@@ -342,7 +343,10 @@ def the_sixth_line(tmp_path, kind: str, line: bytes) -> tuple:
     (b'{"text": ["a", "b"]}', """'text' holds ["a", "b"], not text"""),
     (b'{"text": "bad \xff\xfe"}', "not UTF-8 text (byte 15)"),
     (b'{"text": "half a pair \\ud800"}', "'text' holds a lone surrogate escape, not UTF-8 text"),
-], ids=["not-json", "a-list", "no-text", "null", "a-number", "a-list-of-text", "not-utf8", "lone-surrogate"])
+    (b"[" * 100_000, "JSON parse error: arrays or objects nested deeper than Python's JSON reader can follow (its "
+                     f"recursion limit, {sys.getrecursionlimit():,} levels)"),  # a RecursionError traceback, exit 1
+], ids=["not-json", "a-list", "no-text", "null", "a-number", "a-list-of-text", "not-utf8", "lone-surrogate",
+        "nested-100000-deep"])
 @pytest.mark.parametrize("kind", ["jsonl", "jsonl.gz"])
 def test_a_bad_json_line_in_the_middle_is_one_line_naming_the_file_and_the_line(tmp_path, kind, line, said):
     path, shard = the_sixth_line(tmp_path, kind, line)
@@ -429,6 +433,41 @@ def test_a_json_lines_shard_cut_short_while_it_is_read_is_one_line_naming_the_fi
     assert read_before == texts[:len(read_before)] and 500 < len(read_before) <= 20_000  # grown: all it held
     said = said.format(size=path.stat().st_size, listed=shard.size)
     assert str(error.value) == f"cannot read shard {path}: line {len(read_before) + 1}: {said}"
+
+
+@pytest.mark.parametrize("kind", ["jsonl.gz", pytest.param("jsonl.zst", marks=pytest.mark.skipif(
+    not HAS_ZSTANDARD, reason="zstandard not installed"))])
+def test_a_compressed_shard_of_0_bytes_is_damaged_not_empty(tmp_path, kind):
+    """`gzip -t` refuses it, as it refuses a file cut short anywhere else (a stream compressed
+    from nothing still holds a header); gzip and zstd read it as no lines, in silence. Refused at
+    listing, and at a read if it is cut to nothing since."""
+    path = tmp_path / "data" / f"c.{kind}"
+    path.parent.mkdir()
+    write(tmp_path / "data" / "a.jsonl", ["a document"])
+    path.write_bytes(b"")
+    said = f"cannot read shard {path}: it is empty (0 bytes), and a compressed file holds at least its header: it " \
+           "is damaged or was cut short; replace it, or remove it"
+    assert refused(find_shards, str(tmp_path / "data"), "text") == said
+    assert refused(find_shards, str(path), "text") == said
+    path.write_bytes(compressed(kind, b""))  # compressed from nothing: a shard of no documents
+    [_, shard] = find_shards(str(tmp_path / "data"), "text")
+    assert read(tmp_path / "data", shard) == []
+    path.write_bytes(b"")
+    assert refused(read, tmp_path / "data", dataclasses.replace(shard, size=0)) == said
+
+
+def test_a_folder_that_cannot_be_listed_is_one_line_naming_it(tmp_path, unlistable):
+    """A subfolder of mode 000 (to a user without root's override): os.walk passed over it in
+    silence, and the run trained on 3 shards of 4."""
+    root = tmp_path / "data"
+    for name in ("a/x.jsonl", "b/y.jsonl", "b/deeper/z.jsonl", "c.jsonl"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        write(root / name, [name])
+    assert len(find_shards(str(root), "text")) == 4
+    unlistable(root / "b" / "deeper")
+    assert refused(find_shards, str(root), "text") == \
+        f"cannot list the folder {root / 'b' / 'deeper'} of --dataset {root} (Permission denied): its files would be " \
+        "left out of the run; make it readable, or move it out of the folder"
 
 
 def test_parquet_damage_names_the_row_group_and_the_row(tmp_path, monkeypatch):

@@ -35,6 +35,12 @@ def flag(default, help, minimum=None, maximum=None, number=None, same_on_resume=
 PROFILE_DEFAULTS = {"profile_warmup": 3, "profile_steps": 2}
 DEFAULT_EPOCHS = 3
 PROFILE_MAX_STEPS = 10  # a trace's size, and the memory to read it, grow with every step it holds
+# The most --max-steps a run takes. A stream's length to the loop is --max-steps x --batch-size
+# rows (stream/dataset.py), which len() holds only up to 2**63 - 1: past that, an OverflowError
+# once the data is prepared. 10**12 steps, at a millisecond each, are 32 years: more is a typo,
+# refused with the flags, for map-style runs too (whose epochs end them sooner anyway). It
+# leaves --batch-size up to 9 million sequences (stream.run.check_flags refuses more).
+MAX_STEPS = 10**12
 
 
 @dataclass
@@ -86,8 +92,10 @@ class TrainConfig:
     # optimization (the article's recipe: README.md)
     epochs: int | None = flag(None, f"passes over the training data (default: {DEFAULT_EPOCHS}; --stream reads its "
                               "shards epoch after epoch until --max-steps)", minimum=1, same_on_resume=True, type=int)
-    max_steps: int | None = flag(None, "optimizer steps (default: all epochs); also sets the LR schedule's length",
-                                 minimum=1, same_on_resume=True, type=int)
+    max_steps: int | None = flag(None, "optimizer steps, at most 10**12; also sets the LR schedule's length "
+                                 "(default: --model's preset's, 50 for debug and 250 for tiny, else all epochs; "
+                                 "--stream needs it given: a stream has no length)", minimum=1, maximum=MAX_STEPS,
+                                 same_on_resume=True, type=int)
     lr: float = flag(1e-3, "peak learning rate", number="positive", same_on_resume=True)
     warmup_steps: int | None = flag(None, "linear warmup from 0.1x to 1x the peak LR, then cosine to 0", minimum=0,
                                     same_on_resume=True, type=int)
@@ -194,8 +202,11 @@ def parse_args(argv=None, distributed: bool = False, sharded: bool = False, desc
         cfg.init_from = str(source)
         cfg.tokenizer = str(out / run_folder.TOKENIZER)  # the ids the weights were trained on
     for key, value in TRAINING_PRESETS[cfg.model].items():
-        # a tokenizer brings its vocabulary; so does a resumed run (its own tokenizer.json)
-        if getattr(cfg, key) is None and not (key == "vocab_size" and (cfg.tokenizer or cfg.resume)):
+        # a tokenizer brings its vocabulary; so does a resumed run (its own tokenizer.json). A stream
+        # has no length: a demo's 50 or 250 steps of a 100 GB corpus, said nowhere, would be a guess
+        # (stream.run.check_flags asks for --max-steps)
+        if getattr(cfg, key) is None and not (key == "vocab_size" and (cfg.tokenizer or cfg.resume)) \
+                and not (key == "max_steps" and cfg.stream):
             setattr(cfg, key, value)
     validate(cfg)
     if cfg.compile and not distributed and cfg.device != "cpu" and torch.cuda.device_count() > 1:
@@ -211,8 +222,9 @@ def validate(cfg: TrainConfig):
         minimum, maximum, number = f.metadata["minimum"], f.metadata["maximum"], f.metadata["number"]
         if minimum is not None and value is not None and value < minimum:
             raise UsageError(f"{name} must be at least {minimum}, got {value}")
-        if maximum is not None and value is not None and value > maximum:
-            raise UsageError(f"{name} must be at most {maximum:g}, got {value:g}")
+        if maximum is not None and value is not None and value > maximum:  # a whole number exactly, with commas
+            shown = [f"{v:,}" if isinstance(v, int) else f"{v:g}" for v in (maximum, value)]
+            raise UsageError(f"{name} must be at most {shown[0]}, got {shown[1]}")
         if number and not (math.isfinite(value) and (value > 0 if number == "positive" else value >= 0)):
             raise UsageError(f"{name} must be a {number} number, got {value}")
     max_pos = PRESETS[cfg.model]["max_position_embeddings"]

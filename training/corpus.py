@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import stat
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -40,7 +41,11 @@ def stdlib_files() -> list[str]:
     root = sysconfig.get_paths()["stdlib"]
     skip = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
     files = []
-    for folder, subfolders, names in os.walk(root):
+
+    def unlisted(error: OSError):  # the interpreter's own files, not the user's: the run can go on without them
+        warn(f"the embedded corpus ({EMBEDDED_CORPUS}) leaves out {error.filename}: it cannot be listed "
+             f"({error.strerror or first_line(error)})")
+    for folder, subfolders, names in os.walk(root, onerror=unlisted):
         subfolders[:] = sorted(d for d in subfolders if d not in skip)  # sorted: same order everywhere
         files += [os.path.join(folder, n) for n in sorted(names)
                   if n.endswith(".py") and not n.startswith("test_")]
@@ -91,6 +96,9 @@ def _local_files(path: Path) -> list[Path]:
     for f in files:
         if not os.access(f, os.R_OK):
             raise UsageError(f"cannot read dataset file {f}")
+        if f.name.lower().endswith(COMPRESSIONS) and f.stat().st_size == 0:  # read as no documents, where gzip -t fails
+            raise UsageError(f"cannot read {f}: it is empty (0 bytes), and a compressed file holds at least its "
+                             "header: it is damaged or was cut short; replace it, or remove it")
         if f.name.lower().endswith(".zst") and importlib.util.find_spec("zstandard") is None:
             raise UsageError(f"reading {f} needs the zstandard package: pip install zstandard")
     return files
@@ -109,7 +117,12 @@ def walk(root: Path, wanted) -> tuple[list[Path], list[str]]:
     followed and hidden ones not, sorted (the same order on every rank), each real file once;
     and what was left out, with the reason for the less obvious cases."""
     files, skipped, seen_dirs, seen_files = [], [], set(), {}
-    for folder, subfolders, names in os.walk(root, followlinks=True):
+
+    def unlisted(error: OSError):  # os.walk's default passes over such a folder: its files never trained
+        raise UsageError(f"cannot list the folder {error.filename} of --dataset {root} "
+                         f"({error.strerror or first_line(error)}): its files would be left out of the run; make it "
+                         "readable, or move it out of the folder")
+    for folder, subfolders, names in os.walk(root, onerror=unlisted, followlinks=True):
         real = os.path.realpath(folder)
         if real in seen_dirs:  # a symlink loop, or a second link to a folder already read
             skipped.append(f"{os.path.relpath(folder, root)}/ (already read as {os.path.relpath(real, root)})")
@@ -244,7 +257,10 @@ def _load_files(builder: str, data_files: list[str], dataset: str) -> datasets.D
                 e, where = in_file, f
                 break
         problem = first_line(e)
-        if builder == "json" and re.search(r" in row \d+", problem):
+        # pyarrow's "in row N"; a line nested thousands deep fails in what `datasets` tries after
+        # pyarrow: pandas' "Reached object decoding depth limit", or a RecursionError of its own
+        if builder == "json" and (re.search(r" in row \d+|decoding depth limit", problem)
+                                  or isinstance(e, RecursionError)):
             file = data_files[0] if len(data_files) == 1 else where
             if bad_line := _bad_json_line(file):
                 where, problem = file, bad_line
@@ -276,6 +292,9 @@ def json_object(line: str) -> dict:
         document = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{e.msg.removesuffix(' at')} at column {e.colno}") from None
+    except RecursionError:  # its reader recurses a level at a time: "[" * 100000 is a traceback otherwise
+        raise ValueError("arrays or objects nested deeper than Python's JSON reader can follow (its recursion "
+                         f"limit, {sys.getrecursionlimit():,} levels)") from None
     if not isinstance(document, dict):
         raise ValueError(f"a {type(document).__name__}, where each line is an object")
     return document

@@ -45,6 +45,7 @@ owned_states of them into its feed.
 """
 
 import re
+import sys
 from pathlib import Path
 
 import torch.distributed as dist
@@ -72,9 +73,12 @@ def check_flags(cfg) -> None:
                          "leave it out")
     if not cfg.stream:
         return
-    if cfg.max_steps is None:
+    if cfg.max_steps is None:  # --model's preset gives a stream none (config.parse_args)
         raise UsageError("--stream needs --max-steps (the run's length and its learning rate schedule's): a stream's "
-                         "steps are not known before its shards are read")
+                         "steps are not known before its shards are read, and --model's preset gives a stream none")
+    if cfg.max_steps * cfg.batch_size > sys.maxsize:  # the stream's len() (dataset.py), refused later by Python
+        raise UsageError(f"--max-steps {cfg.max_steps:,} x --batch-size {cfg.batch_size:,} sequences are more than a "
+                         f"run can count ({sys.maxsize:,}): lower one of them")
     if cfg.epochs is not None:
         raise UsageError("--epochs counts passes over a corpus tokenized before the run; --stream reads its shards "
                          "epoch after epoch until --max-steps: leave --epochs out")
