@@ -139,7 +139,7 @@ def main():
             break
     pbar.close()
     writer.wait()  # the last checkpoint is on disk before we go on
-    profiler.close()  # a run stopped within the traced steps: what it traced, in the room the checkpoint left
+    profiler.finish()  # a run stopped within the traced steps: what it traced, in the room every rank's checkpoint left
 
     if step == total_steps:  # the whole model's weights, for generate.py and export_hf.py
         full_state = raw_model.state_dict()  # raw_model, not model: no `module.` prefix in the keys

@@ -203,7 +203,7 @@ def main():
             break
     pbar.close()
     writer.wait()  # the last checkpoint is on disk before we go on
-    profiler.close()  # a run stopped within the traced steps: what it traced, in the room the checkpoint left
+    profiler.finish()  # a run stopped within the traced steps: what it traced, in the room every rank's checkpoint left
 
     if step == total_steps:  # the whole model's weights, for generate.py and export_hf.py
         full_state = sharded_checkpoint.full_model_state(raw_model)  # FSDP: a gather, so every rank calls it

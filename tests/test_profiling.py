@@ -557,6 +557,23 @@ def test_under_ddp_no_rank_exports_its_trace_before_rank_0s_checkpoint_is_on_dis
     assert [p.name for p in traces(out)] == ["rank0.steps3-4.pt.trace.json", "rank1.steps3-4.pt.trace.json"]
 
 
+def test_a_ddp_run_stopped_within_its_traced_steps_exports_no_trace_before_rank_0s_checkpoint(runs, tmp_path):
+    """The same where the run stops inside the traced steps (SIGUSR1 to rank 0 at step 2: every
+    rank stops after one step, which saves): each rank writes what it traced once rank 0's
+    checkpoint of that step is on disk, not at once."""
+    out = tmp_path / "run"
+    proc = run_script("train_ddp.py", profile_args(runs, out, "--profile", "--profile-warmup", "1", "--profile-steps",
+                                                   "6"), nproc=2, wrapper="tests/inject_fault.py",
+                      env=fault_env(tmp_path, "hold-checkpoint,sigusr1", step=2), check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stopped = checkpoint_step(out)
+    assert 2 <= stopped < 7  # within steps 2-7
+    logs = tmp_path / "fault-logs"
+    assert {rank: (logs / f"exported-rank{rank}.txt").read_text() for rank in (0, 1)} == \
+        {0: f"[{stopped}]\n", 1: f"[{stopped}]\n"}
+    assert [p.name for p in traces(out)] == [f"rank{r}.steps2-{stopped}.pt.trace.json" for r in (0, 1)]
+
+
 def test_a_trace_killed_while_written_leaves_partial_files_that_the_resume_deletes_and_no_other(runs, tmp_path):
     """kill -9 while kineto writes the trace: its half-written file has a name of the
     project's own, which the resumed run deletes; a file or folder of the user's in

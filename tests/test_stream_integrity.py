@@ -87,6 +87,23 @@ def test_the_piece_in_progress_is_checked_up_to_its_cursor_at_a_resume(folder):
     assert sum(1 for _ in resumed) > 0
 
 
+def test_a_cursor_past_its_pieces_last_line_is_refused_as_that_not_as_a_rewritten_shard(folder):
+    """A checkpoint may be hostile or stale: a cursor at line 151 of a JSON Lines shard of 100
+    is JSON Lines' own line (a parquet row past its row group is refused before any reading);
+    the digest of the 100 it did read cannot match, and must not be what the line blames."""
+    found, sub_streams, read = run_of(folder, 1)
+    rows = SubStreamRows(sub_streams, 0, read, tokenizer(), 64, False, epochs=1)
+    while rows.state_dict()["cursor"]["row"] < 80:
+        next(rows)
+    state = through_a_checkpoint(rows.state_dict())
+    path = folder / found[sub_streams.pieces(0, 0)[state["cursor"]["piece"]]].name
+    state["cursor"]["row"] = 150
+    with pytest.raises(UsageError) as error:
+        SubStreamRows(sub_streams, 0, read, tokenizer(), 64, False, epochs=1).load_state_dict(state)
+    assert str(error.value) == \
+        f"shard {path} has 100 lines, none numbered 150 (from 0): the file changed during the run"
+
+
 def sub_stream_documents(sub_streams, stream: int, read, seen, state: dict | None = None):
     cursor = Cursor(sub_streams, stream)
     if state is not None:
@@ -115,6 +132,32 @@ def test_a_piece_read_before_is_checked_whole_before_any_of_it_is_read_again(fol
                                 "rewritten since the run read it. Restore it as the run read it, or start a new run")
     assert then == [d for d in first_epoch if d.startswith(f"shard {sub_streams.pieces(0, 1)[0]} ")]
     assert len(first_epoch) == 400 and len(then) == 100  # the first piece of epoch 1 whole, none of the changed one
+
+
+def test_a_resume_inside_a_piece_read_before_checks_it_whole_before_handing_out_its_rest(folder):
+    """A resume in epoch 1, 50 documents into a piece read whole in epoch 0; a document after the
+    cursor is changed at the same size: the prefix check passes (the documents before the cursor
+    are as they were), so the piece is checked whole before any of its rest is handed out, as in
+    an epoch entered at its start. Without that, its 50 remaining documents, the changed one
+    among them, would be trained on before the piece's end caught it."""
+    found, sub_streams, read = run_of(folder, 1)
+    seen = integrity.PiecesRead()
+    cursor, texts = sub_stream_documents(sub_streams, 0, read, seen)
+    for _ in range(400 + 100 + 50):  # epoch 0, epoch 1's first piece, half its second
+        next(texts)
+    assert (cursor.epoch, cursor.piece, cursor.row) == (1, 1, 50)
+    state = through_a_checkpoint(cursor.state_dict())
+    path = folder / found[sub_streams.pieces(0, 1)[1]].name
+    rewrite_same_size(path, 90)
+    unchanged_to_a_resume(folder, found)
+    resumed, rest = sub_stream_documents(sub_streams, 0, read, integrity.PiecesRead(known=dict(seen.own)), state)
+    then = []
+    with pytest.raises(UsageError) as error:
+        for document in rest:
+            then.append(document)
+    assert str(error.value) == (f"shard {path}: its documents differ from those the run read there: the shard was "
+                                "rewritten since the run read it. Restore it as the run read it, or start a new run")
+    assert then == []
 
 
 def test_after_a_resume_every_sub_stream_checks_the_pieces_any_of_them_read(folder):

@@ -51,7 +51,8 @@ class Profiler:
     """Records steps first .. first + count - 1 of this run, where first = the run's first step
     (1, or the resumed one + 1) + --profile-warmup: compiling, the allocator's first requests
     and the data feed's start are over by then. Call begin(step) before each step and end(step)
-    after it (step: the number of the step, from 1), and close() when the run ends. Made on
+    after it (step: the number of the step, from 1), finish() when the loop ends (a run stopped
+    within the traced steps), close() on the way out of an error. Made on
     every rank at once: what one rank finds wrong (its trace's name taken, say) ends them all.
     model: the run's, whose size says how much room its checkpoints need (room_to_keep); None
     where nothing is saved (benchmarks/step_rows.py's traced step)."""
@@ -150,9 +151,18 @@ class Profiler:
         if step == self.last:
             if writer is not None:
                 writer.wait()
-            if dist.is_initialized():  # every rank's checkpoint (DDP: rank 0's) is on disk
-                launch.barrier()
-            self.close()
+            self.finish()
+
+    def finish(self):
+        """Where the run's loop ends, once this rank's checkpoint in flight is on disk (the
+        trainer waited for it), and after the last traced step: what was recorded is written
+        once every rank's checkpoint (DDP: rank 0's) is on disk too. Every rank calls it at the
+        same step, and records or not alike (a run stops after the same step on every rank)."""
+        if self.profiler is None:
+            return
+        if dist.is_initialized():
+            launch.barrier()
+        self.close()
 
     def close(self):
         """Stop and write what was recorded (all of it, or the steps a stopped run took). A

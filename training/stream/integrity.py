@@ -8,12 +8,12 @@ read, at no more reading than the run does anyway:
 - the piece in progress at a resume: the rows before the cursor are read again to reach it (a
   compressed stream has no other way in), and their documents must chain to the digest the
   cursor holds (order.Cursor's `digest`, a chain over the piece's documents before its row);
-- every piece read whole before, when it is read again in a later epoch: read once whole and
-  checked before any of its documents is handed out (so none of a changed piece is trained
-  on), then read again for its rows. Each piece's digest is recorded as it is first read whole
-  (PiecesRead); the sub-stream's state carries those it recorded, and a resume gives every
-  sub-stream those of all the checkpoint's sub-streams (pieces are dealt anew each epoch, to
-  other sub-streams).
+- every piece read whole before, when it is read again in a later epoch (the piece in progress
+  at a resume too): read once whole and checked before any of its documents is handed out (so
+  none of a changed piece is trained on), then read again for its rows. Each piece's digest
+  is recorded as it is first read whole (PiecesRead); the sub-stream's state carries those it
+  recorded, and a resume gives every sub-stream those of all the checkpoint's sub-streams
+  (pieces are dealt anew each epoch, to other sub-streams).
 A digest covers what training takes from a piece: each document's row and text. Other columns
 or fields, and a line the run never read (a bad line repaired), may change.
 

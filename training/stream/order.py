@@ -163,16 +163,16 @@ def documents(cursor: Cursor, read: Read, epochs: int | None = None, seen: Piece
 
     What is read again is checked (integrity.py): a piece entered mid-way (a resume), its
     documents before the cursor's row against the cursor's digest; with `seen`, a piece read
-    whole before, whole, before any of it is handed out; each piece read whole is recorded in
-    `seen`, or checked against what it holds."""
+    whole before, whole, before any of it is handed out (entered at its start or mid-way);
+    each piece read whole is recorded in `seen`, or checked against what it holds."""
     describe = cursor.sub_streams.describe
     while epochs is None or cursor.epoch < epochs:
         pieces = cursor.sub_streams.pieces(cursor.stream, cursor.epoch)
         whole_epoch, found = (cursor.piece, cursor.row) == (0, 0), False
         while cursor.piece < len(pieces):
             piece = pieces[cursor.piece]
-            if seen is not None and cursor.row == 0 and seen.expected(piece) is not None:
-                seen.finished(piece, integrity.piece_digest(read(piece, 0)), describe)  # read before: checked first
+            if seen is not None and seen.expected(piece) is not None:  # read before: checked whole first, a
+                seen.finished(piece, integrity.piece_digest(read(piece, 0)), describe)  # resume inside it too
             for row, text in read_checked(cursor, read):
                 if row < cursor.row:  # a resume at row + 1 would read it again
                     raise ValueError(f"read({piece}, ...) gave row {row} after asked for row {cursor.row} on")
@@ -206,7 +206,10 @@ def read_checked(cursor: Cursor, read: Read) -> Iterator[tuple[int, str]]:
             _check_prefix(cursor, piece, digest)
             checked = True
         yield row, text
-    if not checked:
+    if not checked:  # no document at or after the cursor's row: the piece may end before that row,
+        if digest != cursor.digest:  # which only reading from it tells (a JSON Lines file's line
+            for _ in read(piece, start):  # count): that, not the digest, is the line
+                pass
         _check_prefix(cursor, piece, digest)
 
 
