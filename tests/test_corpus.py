@@ -131,6 +131,22 @@ def test_a_compressed_file_of_0_bytes_is_damaged_not_empty(tmp_path, name):
     assert sorted(corpus.load_corpus(str(tmp_path))["text"]) == ["a document", "repaired"]
 
 
+@pytest.mark.parametrize("name, raw", [("c.jsonl.gz", gzip.compress(b"", mtime=0)), ("c.jsonl", b"\n  \n"),
+                                       ("c.jsonl.xz", lzma.compress(b"\n\n"))],
+                         ids=["gzip-of-nothing", "blank-lines", "xz-of-blank-lines"])
+def test_a_json_lines_file_of_blanks_alone_holds_no_documents(tmp_path, name, raw):
+    """Whole, and holding nothing but blanks once decompressed: no documents, beside other
+    files' and alone. `datasets` took JSON's columns from the first line read, and failed
+    without one: "cannot read DIR: StopIteration", which names nothing of the cause."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / name).write_bytes(raw)
+    (tmp_path / "data" / "b.txt").write_text("a document\n")
+    assert corpus.load_corpus(str(tmp_path / "data"))["text"] == ["a document"]
+    with pytest.raises(UsageError) as refused:
+        corpus.load_corpus(str(tmp_path / "data" / name))
+    assert str(refused.value) == f"dataset {tmp_path / 'data' / name} has no non-empty documents"
+
+
 def test_a_zstd_shard_is_read_or_names_the_package_it_needs(tmp_path):
     import importlib.util
     (tmp_path / "part-0.jsonl.zst").write_bytes(b"(\xb5/\xfd not really zstd")

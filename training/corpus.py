@@ -104,6 +104,26 @@ def _local_files(path: Path) -> list[Path]:
     return files
 
 
+def _holds_text(path: Path) -> bool:
+    """Whether a data file holds more than blanks, once decompressed: one that does not has no
+    documents, and makes `datasets` builders fail with lines that say nothing of it (JSON's
+    bare StopIteration for a compressed file of nothing, "Instruction "train" corresponds to no
+    data!" for blank lines). Read up to its first other byte; a file that cannot be read is
+    left to its builder, whose line names the damage."""
+    if path.stat().st_size == 0:
+        return False
+    if file_builder(path) == "parquet":  # binary, never blank
+        return True
+    try:
+        with fsspec.open(str(path), "rb", compression="infer") as f:
+            while chunk := f.read(2**16):
+                if chunk.strip():
+                    return True
+        return False
+    except Exception:  # a damaged compressed file: its builder says so, naming it
+        return True
+
+
 def warn_skipped(path: Path, skipped: list[str], known: str):
     """One warning that names what the walk of --dataset's folder left out (the first five)."""
     if skipped:
@@ -191,8 +211,7 @@ def load_corpus(dataset: str, dataset_config: str | None = None, split: str | No
         ds = datasets.Dataset.from_generator(stdlib_documents, gen_kwargs={"files": stdlib_files()})
         ds = _text_column(ds, text_column, dataset)
     elif looks_local(dataset):
-        # an empty file has no documents (and makes some `datasets` builders fail)
-        files = [f for f in _local_files(Path(dataset).expanduser()) if f.stat().st_size > 0]
+        files = [f for f in _local_files(Path(dataset).expanduser()) if _holds_text(f)]
         if not files:
             raise UsageError(f"dataset {dataset} has no non-empty documents")
         parts = []
