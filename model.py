@@ -188,9 +188,10 @@ class LlamaAttention(nn.Module):
         B, T, _ = x.shape
         q, k, v = (fused_projections.linear(x, self.q_proj, self.k_proj, self.v_proj) if self.fused
                    else (self.q_proj(x), self.k_proj(x), self.v_proj(x)))
-        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
-        k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
-        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        # -1: the heads this module holds, all of them, or its share under tensor parallelism
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, K, T, D)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         # No padding mask, on purpose. Sequences are right-padded, so every real token sits
         # before every [PAD]: the causal mask alone already hides all pads from real tokens.
@@ -213,7 +214,7 @@ class LlamaAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
         return self.o_proj(y)
 
 
@@ -284,10 +285,13 @@ class LlamaLMHead(nn.Linear):
         super().__init__(hidden_size, vocab_size, bias=False)
         self.chunk_tokens = None  # tokens a chunk (None: chunked_loss.chunk_tokens for the device)
         self.compiled_loss = "plain"  # or "chunked", a candidate: benchmarks/gpu_report.py measures both
+        self.parallel_loss = None  # under tensor parallelism, the loss over the vocabulary's shards
 
     def forward(self, h, targets=None):
         if targets is None:
             return super().forward(h)  # the logits
+        if self.parallel_loss is not None:
+            return self.parallel_loss(self, h, targets)
         h, targets = h.flatten(0, -2), targets.flatten()
         if torch.compiler.is_compiling() and self.compiled_loss == "plain":
             # Compiled, the plain formulation: inductor fuses the loss so that only the

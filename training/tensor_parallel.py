@@ -1,0 +1,98 @@
+"""Tensor parallelism (TP) for the Llama model: each layer's matrices split over the ranks of a
+mesh dimension, Megatron's way, with sequence parallelism between them.
+
+Inside a block, q, k, v and gate, up are split by their output features (ColwiseParallel: each
+rank computes its share of the heads, of the MLP's hidden units), o and down by their input
+features (RowwiseParallel: each rank's partial sum of the whole output, summed over the TP
+ranks). Attention needs nothing from the other ranks: a head is whole on one rank. So a block
+costs two collectives forward, and two backward, of its activations, never of its weights.
+
+Between the blocks (the norms, the residual stream) every rank would otherwise hold and compute
+the same (B, T, C) activations: sequence parallelism splits them along the sequence (Shard(1)),
+so that each rank keeps 1/tp of them. The sum after o and down then becomes a reduce-scatter
+along the sequence, and the input of attention and of the MLP an all-gather: the same bytes as
+the all-reduce it replaces, activations divided by tp.
+
+The plan is torchtitan's and pytorch/examples' (../shared/TP.md): the embedding split by rows
+(its output sequence-sharded), the norms SequenceParallel, the LM head split by the vocabulary.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
+
+from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining
+from training.errors import UsageError
+
+
+def check(config: LlamaConfig, tp: int, seq_len: int, world_size: int) -> None:
+    """What --tp cannot split, one line naming the flag to change, before anything is written:
+    whole heads on each rank (query and key/value), a sequence that splits evenly (sequence
+    parallelism), whole TP groups in the world, and matrices whose split dimension divides."""
+    if tp < 1:
+        raise UsageError(f"--tp must be at least 1, not {tp}")
+    if world_size % tp:
+        raise UsageError(f"--tp {tp} does not divide the {world_size} ranks: each tensor-parallel group is --tp "
+                         "ranks, and the ranks are whole groups")
+    for count, name in ((config.num_attention_heads, "attention heads"),
+                        (config.num_key_value_heads, "key/value heads"),
+                        (config.intermediate_size, "MLP hidden units (intermediate_size)"),
+                        (config.vocab_size, "vocabulary entries (--vocab-size)")):
+        if count % tp:
+            raise UsageError(f"--tp {tp}: the model's {count} {name} do not split into {tp} equal shares; "
+                             f"choose a --tp that divides {count}")
+    if seq_len % tp:
+        raise UsageError(f"--tp {tp}: --seq-len {seq_len} does not split into {tp} equal parts, as sequence "
+                         f"parallelism splits each row's positions; choose a --seq-len that --tp divides")
+
+
+def parallelize(model: LlamaForPretraining, tp_mesh: DeviceMesh) -> LlamaForPretraining:
+    """Split the model's weights over tp_mesh (a 1-D mesh: the TP dimension of the run's mesh),
+    in place. Before activation checkpointing is switched on, compile and FSDP (torchtitan's
+    order). Given targets, the model returns on every TP rank the loss of the whole model;
+    without them, logits sharded by the vocabulary (a DTensor)."""
+    base = model.base_model
+    parallelize_module(base.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(),
+                                                                   output_layouts=Shard(1)))
+    for layer in base.layers:
+        parallelize_module(layer, tp_mesh, {
+            "input_layernorm": SequenceParallel(),
+            # attention's input gathered along the sequence; cos, sin, the mask, the cache pass as they are
+            "self_attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None, None)),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),  # a reduce-scatter along the sequence
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    parallelize_module(base.norm, tp_mesh, SequenceParallel())
+    # The LM head split by the vocabulary, by hand: a module plan's hooks pass its forward only
+    # its first input, and the targets would be dropped without a word. Each rank holds the
+    # logits of its V/tp entries only, and the loss is computed over them (vocabulary_parallel_loss).
+    head = model.lm_head
+    head.weight = nn.Parameter(distribute_tensor(head.weight, tp_mesh, [Shard(0)]))
+    head.parallel_loss = vocabulary_parallel_loss
+    return model
+
+
+def vocabulary_parallel_loss(head: nn.Linear, h: DTensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of the targets, no rank holding the whole vocabulary's logits:
+    loss_parallel computes the log-softmax's max and sum over the vocabulary's shards with two
+    all-reduces of (tokens,) numbers. h: the final norm's output, sharded along the sequence."""
+    h = h.redistribute(placements=[Replicate()])  # every position's hidden state on every TP rank
+    logits = F.linear(h.flatten(0, -2), head.weight)  # (tokens, V), sharded by the vocabulary: Shard(-1)
+    with loss_parallel():
+        # the targets a DTensor too: backward runs outside this context, where the loss's
+        # backward would otherwise meet a plain tensor beside DTensors and fail
+        targets = DTensor.from_local(targets.flatten(), logits.device_mesh, [Replicate()])
+        loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss.full_tensor()
