@@ -60,16 +60,21 @@ def through_a_checkpoint(state: dict) -> dict:
     return torch.load(saved, weights_only=True)
 
 
+def stopped_at_row_80(sub_streams, read) -> dict:
+    """The state, through a checkpoint, of sub-stream 0 of 1 once its cursor is 80 documents into its first piece."""
+    rows = SubStreamRows(sub_streams, 0, read, tokenizer(), 64, False, epochs=1)
+    while rows.state_dict()["cursor"]["row"] < 80:
+        next(rows)
+    return through_a_checkpoint(rows.state_dict())
+
+
 def test_the_piece_in_progress_is_checked_up_to_its_cursor_at_a_resume(folder):
     """A sub-stream stopped 80 documents into a shard; a document it read there is changed at
     the same size past the shard's first 64 KiB: the resume (its state loaded, as the feed loads
     it while the data is prepared) is one line naming the shard and the cursor's line. One
     changed after the cursor, not read yet, is read as it is now."""
     found, sub_streams, read = run_of(folder, 1)
-    rows = SubStreamRows(sub_streams, 0, read, tokenizer(), 64, False, epochs=1)
-    while rows.state_dict()["cursor"]["row"] < 80:
-        next(rows)
-    state = through_a_checkpoint(rows.state_dict())
+    state = stopped_at_row_80(sub_streams, read)
     piece = sub_streams.pieces(0, 0)[state["cursor"]["piece"]]
     path = folder / found[piece].name  # one piece a shard
     good = path.read_bytes()
@@ -92,10 +97,7 @@ def test_a_cursor_past_its_pieces_last_line_is_refused_as_that_not_as_a_rewritte
     is JSON Lines' own line (a parquet row past its row group is refused before any reading);
     the digest of the 100 it did read cannot match, and must not be what the line blames."""
     found, sub_streams, read = run_of(folder, 1)
-    rows = SubStreamRows(sub_streams, 0, read, tokenizer(), 64, False, epochs=1)
-    while rows.state_dict()["cursor"]["row"] < 80:
-        next(rows)
-    state = through_a_checkpoint(rows.state_dict())
+    state = stopped_at_row_80(sub_streams, read)
     path = folder / found[sub_streams.pieces(0, 0)[state["cursor"]["piece"]]].name
     state["cursor"]["row"] = 150
     with pytest.raises(UsageError) as error:

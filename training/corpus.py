@@ -29,6 +29,9 @@ FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": 
 # the same file with and without it is the same data. The json and csv readers drop it already.
 BUILDER_OPTIONS = {"text": {"encoding": "utf-8-sig"}}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # `datasets` decompresses these as it reads (.zst: with zstandard)
+# A compressed file of 0 bytes: gzip and zstd read it as no documents, where `gzip -t` refuses it
+EMPTY_COMPRESSED = ("it is empty (0 bytes), and a compressed file holds at least its header: it is damaged or was cut "
+                    "short; replace it, or remove it")
 KNOWN_FILES = f"{'/'.join(FILE_BUILDERS)} (optionally {'/'.join(COMPRESSIONS)})"
 
 
@@ -97,8 +100,7 @@ def _local_files(path: Path) -> list[Path]:
         if not os.access(f, os.R_OK):
             raise UsageError(f"cannot read dataset file {f}")
         if f.name.lower().endswith(COMPRESSIONS) and f.stat().st_size == 0:  # read as no documents, where gzip -t fails
-            raise UsageError(f"cannot read {f}: it is empty (0 bytes), and a compressed file holds at least its "
-                             "header: it is damaged or was cut short; replace it, or remove it")
+            raise UsageError(f"cannot read {f}: {EMPTY_COMPRESSED}")
         if f.name.lower().endswith(".zst") and importlib.util.find_spec("zstandard") is None:
             raise UsageError(f"reading {f} needs the zstandard package: pip install zstandard")
     return files
@@ -110,8 +112,6 @@ def _holds_text(path: Path) -> bool:
     bare StopIteration for a compressed file of nothing, "Instruction "train" corresponds to no
     data!" for blank lines). Read up to its first other byte; a file that cannot be read is
     left to its builder, whose line names the damage."""
-    if path.stat().st_size == 0:
-        return False
     if file_builder(path) == "parquet":  # binary, never blank
         return True
     try:

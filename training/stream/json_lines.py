@@ -73,8 +73,7 @@ def _lines(path: Path | str, open_file: Callable, kind: str, size: int) -> Itera
         except errors as e:
             raise UsageError(f"cannot read shard {path}: line {lines + 1}: {first_line(e)}") from None
         if kind != "jsonl" and raw.tell() == 0:  # gzip and zstd read 0 bytes as an empty stream, without a word
-            raise UsageError(f"cannot read shard {path}: it is empty (0 bytes), and a compressed file holds at least "
-                             "its header: it is damaged or was cut short; replace it, or remove it")
+            raise UsageError(f"cannot read shard {path}: {corpus.EMPTY_COMPRESSED}")
 
 
 def _check_end(path: Path | str, raw, size: int, line: int) -> None:

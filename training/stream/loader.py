@@ -217,7 +217,6 @@ class _Shares(IterableDataset):
         except UsageError as e:
             yield step, e
 
-
     @staticmethod
     def _unsent(stream: int, state: dict, sent: dict) -> dict:
         """The state to send: its table of pieces read (integrity.PiecesRead.table(), the same

@@ -190,11 +190,16 @@ def describe(source: Source, found: list[Shard]) -> Callable[[int, int | None], 
 
     def where(piece: int, row: int | None) -> str:
         shard, index = listed[piece]
-        said = f"shard {shard_path(source, shard)}" + (f", row group {index}" if shard.kind == "parquet" else "")
-        if row is None:
-            return said
-        return f"{said}, row {row:,}" if shard.kind == "parquet" else f"{said}, line {row + 1:,}"
+        if row is not None:
+            return f"shard {shard_path(source, shard)}, {_place(shard, index, row)}"
+        return f"shard {shard_path(source, shard)}" + (f", row group {index}" if shard.kind == "parquet" else "")
     return where
+
+
+def _place(shard: Shard, piece: int, row: int) -> str:
+    """Row `row` of the shard's piece `piece` as a line names it: a parquet row group's row,
+    both counted from 0 as pyarrow counts them; a JSON Lines file's line, from 1 as editors count."""
+    return f"row group {piece}, row {row:,}" if shard.kind == "parquet" else f"line {row + 1:,}"
 
 
 def piece_sizes(found: list[Shard]) -> list[int]:
@@ -235,9 +240,8 @@ def _documents(path: Path | str, shard: Shard, piece: int, start_row: int, text_
         held = f" (row group {piece} holds {rows:,})" if rows is not None else ""
         raise UsageError(f"shard {path}: there is no row {start_row} to start at{held}")
     if (size := _size(path)) != shard.size:  # cut short or rewritten since listed
-        at = f"row group {piece}, row {start_row:,}" if shard.kind == "parquet" else f"line {start_row + 1:,}"
-        raise UsageError(f"cannot read shard {path}, {at} on: it holds {size:,} bytes, where it held {shard.size:,} "
-                         "when listed: it changed during the run")
+        raise UsageError(f"cannot read shard {path}, {_place(shard, piece, start_row)} on: it holds {size:,} bytes, "
+                         f"where it held {shard.size:,} when listed: it changed during the run")
     if shard.kind == "parquet":
         return _parquet_documents(path, piece, rows, start_row, text_column)
     return json_lines.documents(path, _open, shard.kind, shard.size, start_row, text_column)
