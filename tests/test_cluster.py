@@ -92,10 +92,11 @@ def test_a_rank_that_never_joins_ends_the_others_within_the_timeout_with_one_lin
 ])
 def test_a_launch_gone_wrong_is_one_line_naming_the_rank_within_the_timeout(tmp_path, fault, message):
     """Rank 1 never starts, or starts as a second rank 0, or with another WORLD_SIZE. Each is
-    named by one line, and rank 0's check ends within its one deadline (--timeout-seconds 3;
-    torchrun then ends the rank left waiting), whatever the timing of the ranks. The deadline is
-    timed from rank 0's start, as inject_fault.py records it: torchrun's launch of two
-    interpreters before it takes 5 to 40 s on a busy 2-core machine, and says nothing of the check."""
+    named by one line, and the check that names it ends within its one deadline (--timeout-seconds 3;
+    torchrun then ends the rank left waiting, before it records anything), whatever the timing of
+    the ranks. The deadline is timed from that rank's start, as inject_fault.py records it:
+    torchrun's launch of two interpreters before it takes 5 to 40 s on a busy 2-core machine, and
+    says nothing of the check."""
     env = launch_env({**fault_env(tmp_path, fault, step=0), "FAULT_RANK": "1"})
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -105,9 +106,11 @@ def test_a_launch_gone_wrong_is_one_line_naming_the_rank_within_the_timeout(tmp_
     [line] = error_lines(proc.stderr)
     assert line.startswith(message), proc.stderr
     assert "exitcode  : 2" in proc.stderr and no_traceback_of_ours(proc.stderr)
-    ran = float((tmp_path / "fault-logs" / "ran-rank0.txt").read_text())
-    assert ran < 3 + 12, f"rank 0 ran {ran:.1f} s"  # the deadline, and the check's own imports and store
-    print(f"{fault}: rank 0 ran {ran:.1f} s, the launch {took:.1f} s in all")
+    logs = tmp_path / "fault-logs"  # the rank that named the fault: either, when both say RANK=0
+    named = [f.stem[len("exit-"):] for f in logs.glob("exit-rank*.txt") if f.read_text() == "2"]
+    ran = {rank: float((logs / f"ran-{rank}.txt").read_text()) for rank in named}
+    assert ran and max(ran.values()) < 3 + 12, ran  # the deadline, and the check's own imports and store
+    print(f"{fault}: {ran} s, the launch {took:.1f} s in all")
 
 
 def test_by_hand_without_torchrun_a_missing_rank_is_named_and_an_unreachable_store_is_one_line():
