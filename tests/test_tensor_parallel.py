@@ -23,7 +23,7 @@ def _distances(model, reference, tp_loss, ref_loss) -> tuple[float, float]:
     return abs(tp_loss - ref_loss) / abs(ref_loss), max((a - b).abs().max().item() for a, b in grads)
 
 
-def _worker(rank, store_path, results):
+def _worker(rank, store_path, results, packed):
     import copy
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -38,13 +38,16 @@ def _worker(rank, store_path, results):
         x = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(1))
         y = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(2))
         y[1, 9:] = IGNORE_INDEX  # a padded row: its pads have no target
+        # packed rows (--pack): windows of 5, 7 and 4 positions, each attending to itself alone
+        position_ids = torch.cat([torch.arange(5), torch.arange(7), torch.arange(4)]).expand(4, 16) if packed else None
         losses = {}
         for name, model in (("whole", whole), ("split", split)):
-            loss_sum, n = model(x, y)
+            loss_sum, n = model(x, y, position_ids)
             (loss_sum.sum() / n.sum()).backward()
             losses[name] = (loss_sum.sum() / n.sum()).item()
         # the floor: the whole model again, its batch as two micro-batches (another summation order)
-        halves = [reordered(x[rows], y[rows]) for rows in (slice(2, 4), slice(0, 2))]
+        halves = [reordered(x[rows], y[rows], None if position_ids is None else position_ids[rows])
+                  for rows in (slice(2, 4), slice(0, 2))]
         total = sum(n.sum() for _, n in halves)
         sum(loss_sum.sum() for loss_sum, _ in halves).div(total).backward()
         reordered_loss = sum(loss_sum.sum() for loss_sum, _ in halves).div(total).item()
@@ -60,15 +63,17 @@ def _worker(rank, store_path, results):
     os._exit(0)  # (no teardown of gloo: see test_speed.py's DDP worker)
 
 
-def test_the_model_split_over_two_ranks_computes_the_whole_models_loss_and_gradients(tmp_path):
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_model_split_over_two_ranks_computes_the_whole_models_loss_and_gradients(tmp_path, packed):
     """q, k, v, gate, up split by columns, o, down by rows, the norms along the sequence, the LM
     head by the vocabulary with the loss over its shards: on every rank the loss and every
     gradient (gathered whole) equal the unsplit model's within 20 times the floor (the same
-    model on the same batch as two micro-batches), a padded row's pads ignored. A plan that
+    model on the same batch as two micro-batches), a padded row's pads ignored, packed rows'
+    windows apart (each rank's heads under the windows' mask). A plan that
     passed the LM head its input alone (a module plan's hooks do) would drop the targets."""
     import torch.multiprocessing as mp
     results = mp.get_context("spawn").Queue()
-    workers = mp.start_processes(_worker, args=(str(tmp_path / "store"), results), nprocs=2, join=False,
+    workers = mp.start_processes(_worker, args=(str(tmp_path / "store"), results, packed), nprocs=2, join=False,
                                  start_method="spawn")
     got = dict((rank, (distances, floor)) for rank, distances, floor in (results.get(timeout=300),
                                                                            results.get(timeout=300)))
@@ -94,19 +99,17 @@ def test_the_model_split_over_two_ranks_computes_the_whole_models_loss_and_gradi
 def test_a_model_tp_cannot_split_is_one_line_naming_what(change, tp, said):
     """torch's own words for n_kv_heads 2 at TP 4: "shape '[2, 16, -1, 16]' is invalid"."""
     with pytest.raises(UsageError) as refused:
-        tensor_parallel.check(LlamaConfig(**{**CONFIG, **change}), tp, seq_len=48, world_size=12)
+        tensor_parallel.check_model(LlamaConfig(**{**CONFIG, **change}), tp)
     assert str(refused.value) == said
 
 
 def test_a_layout_tp_cannot_split_is_one_line_naming_the_flag():
-    config = LlamaConfig(**CONFIG)
-    tensor_parallel.check(config, 2, seq_len=32, world_size=4)  # (dp 2, tp 2)
+    tensor_parallel.check_layout(2, seq_len=32, world_size=4)  # (dp 2, tp 2)
     for kwargs, said in (
             ({"tp": 2, "seq_len": 33, "world_size": 4}, "--tp 2: --seq-len 33 does not split into 2 equal parts, as "
              "sequence parallelism splits each row's positions; choose a --seq-len that --tp divides"),
             ({"tp": 2, "seq_len": 32, "world_size": 3}, "--tp 2 does not divide the 3 ranks: each tensor-parallel "
-             "group is --tp ranks, and the ranks are whole groups"),
-            ({"tp": 0, "seq_len": 32, "world_size": 4}, "--tp must be at least 1, not 0")):
+             "group is --tp ranks, and the ranks are whole groups")):
         with pytest.raises(UsageError) as refused:
-            tensor_parallel.check(config, **kwargs)
+            tensor_parallel.check_layout(**kwargs)
         assert str(refused.value) == said

@@ -26,7 +26,7 @@ def flag(default, help, minimum=None, maximum=None, number=None, same_on_resume=
     number; number: "positive" or "non-negative" for a float; same_on_resume: a resumed run
     must keep the value (it decides the model, the data, the global batch or the LR
     schedule); only: "distributed" for a flag of the torchrun scripts alone (train_ddp.py,
-    train_fsdp.py), "sharded" for train_fsdp.py's alone."""
+    train_fsdp.py, train_tp.py), "sharded" for train_fsdp.py's alone, "tensor" for train_tp.py's."""
     return field(default=default, metadata=dict(help=help, minimum=minimum, maximum=maximum, number=number,
                                                  only=only, same_on_resume=same_on_resume,
                                                  argparse=argparse_kwargs))
@@ -144,6 +144,10 @@ class TrainConfig:
                          "replicas ranks, gradients all-reduced across replicas once a step. On several nodes: the "
                          "number of nodes (shard over a node's fast links, replicate over the network)", minimum=1,
                          only="sharded")
+    # tensor parallel (train_tp.py)
+    tp: int = flag(1, "tensor parallelism: split each layer's matrices over this many ranks (one node's GPUs), and "
+                   "shard with FSDP over world size / tp groups of them; 1 is train_fsdp.py's run", minimum=1,
+                   only="tensor")
 
 
 # Defaults that depend on --model. `article` is the article's recipe (README.md); `tiny` is the demo
@@ -161,11 +165,15 @@ TRAINING_PRESETS = {
 }
 
 
-def parse_args(argv=None, distributed: bool = False, sharded: bool = False, description: str = "") -> TrainConfig:
+def parse_args(argv=None, distributed: bool = False, sharded: bool = False, tensor: bool = False,
+               description: str = "") -> TrainConfig:
     """The flags, checked. distributed: the script runs under torchrun (train_ddp.py,
-    train_fsdp.py) and takes its flags too; sharded: it is train_fsdp.py, and takes its own."""
+    train_fsdp.py, train_tp.py) and takes its flags too; sharded: it is train_fsdp.py, and takes
+    its own; tensor: it is train_tp.py (--tp)."""
     parser = ArgumentParser(description=description)
-    kinds = {None, *(["distributed"] if distributed or sharded else []), *(["sharded"] if sharded else [])}
+    distributed = distributed or sharded or tensor
+    kinds = {None, *(["distributed"] if distributed else []), *(["sharded"] if sharded else []),
+             *(["tensor"] if tensor else [])}
     for f in dataclasses.fields(TrainConfig):
         if f.metadata["only"] not in kinds:  # a flag a script does not use is refused, never ignored
             continue
@@ -176,7 +184,7 @@ def parse_args(argv=None, distributed: bool = False, sharded: bool = False, desc
             kwargs = {"type": type(f.default), **f.metadata["argparse"]}
             parser.add_argument(name, default=f.default, help=f.metadata["help"], **kwargs)
     cfg = TrainConfig(**vars(parser.parse_args(argv)))
-    check_launch_environment(one_process=not (distributed or sharded))  # RANK, WORLD_SIZE...: whole numbers, as torchrun sets them
+    check_launch_environment(one_process=not distributed)  # RANK, WORLD_SIZE...: whole numbers, as torchrun sets them
     for name, value in vars(cfg).items():  # `--init-from "$UNSET"` must not mean "no --init-from"
         if isinstance(value, str) and not value.strip():
             raise UsageError(f"--{name.replace('_', '-')} is empty (an unset variable in a job script?): give it "

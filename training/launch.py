@@ -63,6 +63,14 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
+def data_parallel(cfg) -> tuple[int, int]:
+    """(this rank's data-parallel rank, their number): the ranks that read rows of their own.
+    Under tensor parallelism (train_tp.py, --tp) each group of --tp consecutive ranks (its mesh's
+    "tp" dimension, the inner one) reads the same rows; otherwise every rank is its own."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    return rank // cfg.tp, world_size // cfg.tp
+
+
 def nvidia_gpus() -> list[str]:
     """The NVIDIA GPUs this machine has, whether or not torch can use them: the device files
     the driver makes, one per GPU (/dev/nvidia0, /dev/nvidia1, ...)."""

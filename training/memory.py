@@ -202,7 +202,8 @@ class Check:
     """Called with the vocabulary size once the tokenizer is known (run_data.prepare),
     before the corpus is tokenized or anything is written: refuses a model whose state alone
     exceeds the device's memory; warns when the whole estimate exceeds what is available now.
-    shards: the ranks FSDP spreads the state over (1: DataParallel, DDP)."""
+    shards: the ranks FSDP spreads the state over (1: DataParallel, DDP); under TP (train_tp.py)
+    every rank of the job, and a model TP cannot split is refused here too."""
     cfg: TrainConfig  # its --model, --seq-len, --compile, --activation-checkpointing and --pack
     micro_batch: int
     dtype: torch.dtype
@@ -212,6 +213,9 @@ class Check:
     def __call__(self, vocab_size: int):
         cfg = self.cfg
         config = LlamaConfig(vocab_size=vocab_size, **PRESETS[cfg.model])
+        if cfg.tp > 1:  # here: the vocabulary is known now, and nothing is written yet
+            from training import tensor_parallel  # train_tp.py's alone
+            tensor_parallel.check_model(config, cfg.tp)
         need = estimate(config, self.micro_batch, cfg.seq_len, self.dtype, self.shards,
                         on_gpu=self.device.type == "cuda", checkpointing=cfg.activation_checkpointing,
                         compiled=cfg.compile, packed=cfg.pack)

@@ -362,9 +362,13 @@ class MetricsLog:
 
 def describe(model: LlamaForPretraining, train_ds, steps_per_epoch: int, total_steps: int, micro_batch: int,
              cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> str:
-    """The line printed as training starts (with the ranks and backend under DDP)."""
+    """The line printed as training starts (with the ranks and backend under DDP; under TP, the
+    data-parallel groups, each of --tp ranks reading the same rows)."""
     ddp = torch.distributed.is_initialized()
     ranks = f" x {torch.distributed.get_world_size()} ranks" if ddp else ""
+    if cfg.tp > 1:
+        groups = torch.distributed.get_world_size() // cfg.tp
+        ranks = f" x {groups} data-parallel group{'s' * (groups > 1)} of {cfg.tp} tensor-parallel ranks"
     backend = f" ({torch.distributed.get_backend()})" if ddp else ""
     facts = train_ds.facts
     if cfg.stream:  # read as training goes: what an epoch holds is not known before

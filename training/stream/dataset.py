@@ -18,7 +18,6 @@ What the scripts ask of a training dataset, and what a stream answers:
 """
 
 import datasets
-import torch.distributed as dist
 
 from training import corpus, launch
 from training.errors import UsageError
@@ -38,7 +37,7 @@ class Corpus:
 
     def __init__(self, cfg, ckpt: dict | None, turns):
         self.cfg, self.turns = cfg, turns
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        world_size = launch.data_parallel(cfg)[1]  # the ranks that read sub-streams of their own
         self.saved = saved(ckpt)
         recorded = run.checked_record(self.saved[0]) if self.saved else None
         self.source = cfg.dataset if corpus.looks_local(cfg.dataset) else turns.from_rank0(
@@ -117,7 +116,7 @@ class StreamedDataset:
         # This rank's feed, made here, in run_data.prepare: a checkpoint's hostile or stale state
         # (a cursor past its piece, a window its document lacks) is one line before anything is
         # written, not once the run has rewritten its files and begun its loop.
-        rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        rank, world_size = launch.data_parallel(cfg)  # under TP, each TP group reads the same sub-streams
         self.feed = self._feed(rank, world_size)
         if states is not None:  # every piece the run read, checked as it is read again (integrity.py)
             known = integrity.known_pieces(states, len(source.sizes), describe)

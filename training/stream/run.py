@@ -229,7 +229,9 @@ def gather_states(feed, group=None) -> dict[int, dict] | None:
     dist.all_gather_object(gathered, states, group=group)
     if rank != 0:
         return None
-    return dict(sorted((stream, state) for part in gathered for stream, state in part.items()))
+    # under TP (train_tp.py) each TP group's ranks read the same sub-streams: one of each is kept
+    states = {stream: state for part in gathered for stream, state in part.items()}
+    return dict(sorted(states.items()))
 
 
 def owned_states(all_states, streams: int, world_size: int, rank: int, source: str = "the checkpoint") -> dict:

@@ -1,0 +1,159 @@
+"""train_tp.py: tensor parallelism over "tp" and FSDP over "dp" train the model DDP trains on
+the same global batches, at every layout of the ranks; its checkpoints resume exactly at the
+same layout and within rounding at another, train_fsdp.py's too. (The plan itself, on two
+ranks against the whole model: test_tensor_parallel.py.)"""
+
+import shutil
+
+import pytest
+
+import test_stream_training
+from test_bad_inputs import refused_in_process
+from test_failures import exit_codes, fault_env
+from conftest import (BF16, FAST, FLOOR_MULTIPLE, assert_follows_in_bf16, assert_same_model, assert_same_weights, assert_within,
+                      ddp_two_ranks, metrics, run_script)
+
+LAYOUTS = {"dp1_tp2": (2, ["--tp", "2"]), "dp2_tp2": (4, ["--tp", "2"]), "dp2_tp1": (2, ["--tp", "1"])}
+
+
+def base_args(runs, out):
+    return ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out)]
+
+
+def tp_run(runs, layout: str, *extra: str):
+    nproc, flags = LAYOUTS[layout]
+    name = "tp_" + layout + "".join(e.strip("-").replace("-", "_") for e in extra)
+    return runs(name, "train_tp.py", [*flags, *extra], nproc=nproc)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_trains_the_model_ddp_trains_on_the_same_global_batches(runs, floor, layout):
+    """(dp 1, tp 2), (dp 2, tp 2) and (dp 2, tp 1) against DDP on 2 ranks: the same weights and
+    logged losses within the rounding floor (TP adds each row-parallel output up from its
+    shares, FSDP its gradient norms from their shards: other orders, not other sums). The
+    logged gradient norms too: AdamW would hide gradients scaled by a constant (a loss summed
+    over TP peers), unclipped."""
+    tp, ddp = tp_run(runs, layout), ddp_two_ranks(runs)
+    assert_same_model(tp, ddp, floor)
+    norms = [[row["grad_norm"] for row in metrics(run) if "grad_norm" in row] for run in (tp, ddp)]
+    assert len(norms[0]) == len(norms[1]) == 4
+    assert_within("gradient norms", max(abs(a - b) / b for a, b in zip(*norms)), floor.loss, FLOOR_MULTIPLE)
+
+
+def unfinished(run, to):
+    """A copy of a finished run as it stood at step 4: its checkpoint-00000008 and model.pt taken away."""
+    shutil.copytree(run, to)
+    shutil.rmtree(to / "checkpoint-00000008")
+    (to / "model.pt").unlink()
+    return to
+
+
+def test_stopped_and_resumed_at_the_same_layout_it_trains_the_same_model_bitwise(runs, tmp_path):
+    """(dp 2, tp 2) resumed at step 4 by (dp 2, tp 2): every rank reads back its own shares, and
+    the run goes on as if never stopped: the same weights and logged rows, to the bit."""
+    reference = tp_run(runs, "dp2_tp2")
+    half = unfinished(reference, tmp_path / "run")
+    proc = run_script("train_tp.py", [*base_args(runs, half), "--tp", "2", "--resume"], nproc=4)
+    assert f"resumed from {half}/checkpoint-00000004 at step 4" in proc.stdout
+    assert_same_model(half, reference)
+
+
+def test_a_checkpoint_resumes_at_every_other_layout_and_in_train_fsdp_and_back(runs, tmp_path, floor):
+    """A checkpoint of (dp 2, tp 2) at step 4, resumed by (dp 1, tp 2) to step 6, whose checkpoint
+    (dp 2, tp 1) resumes to the end: DCP reshards each tensor to each layout, and the data goes
+    on at the same global batch (its position is the step, whatever the data-parallel degree).
+    Then the same checkpoint into train_fsdp.py on 2 ranks, and train_fsdp.py's at step 4 into
+    (dp 1, tp 2). Each within the rounding floor of the uninterrupted DDP run."""
+    ddp = ddp_two_ranks(runs)
+    chain = unfinished(tp_run(runs, "dp2_tp2"), tmp_path / "chain")
+    run_script("train_tp.py", [*base_args(runs, chain), "--tp", "2", "--resume", "--stop-at-step", "6"], nproc=2)
+    assert (chain / "checkpoint-00000006").is_dir() and not (chain / "model.pt").exists()
+    proc = run_script("train_tp.py", [*base_args(runs, chain), "--tp", "1", "--resume"], nproc=2)
+    assert f"resumed from {chain}/checkpoint-00000006 at step 6" in proc.stdout
+    assert_same_weights(chain, ddp, floor)  # (its rows: a stop at step 6 logs a val loss there too)
+    into_fsdp = unfinished(tp_run(runs, "dp2_tp2"), tmp_path / "into-fsdp")
+    run_script("train_fsdp.py", [*base_args(runs, into_fsdp), "--resume"], nproc=2)
+    assert_same_model(into_fsdp, ddp, floor)
+    from_fsdp = unfinished(runs("fsdp2_plain", "train_fsdp.py", nproc=2), tmp_path / "from-fsdp")
+    run_script("train_tp.py", [*base_args(runs, from_fsdp), "--tp", "2", "--resume"], nproc=2)
+    assert_same_model(from_fsdp, ddp, floor)
+
+
+@pytest.mark.parametrize("layout", ["dp1_tp2", "dp2_tp2"])
+def test_packed_rows_train_the_model_ddp_trains(runs, floor, layout):
+    """--pack: each rank attends over its share of the heads with the windows' own mask."""
+    assert_same_model(tp_run(runs, layout, "--pack"), runs("ddp2_pack", "train_ddp.py", ["--pack"], nproc=2), floor)
+
+
+def test_activation_checkpointing_recomputes_the_split_layers_to_the_same_model(runs, floor):
+    assert_same_model(tp_run(runs, "dp2_tp2", "--activation-checkpointing"), ddp_two_ranks(runs), floor)
+
+
+def test_bf16_trains_the_model_fsdp_trains_in_bf16(runs, bf16_floor):
+    """bf16 (MixedPrecisionPolicy, as train_fsdp.py): (dp 2, tp 2) follows FSDP on 2 ranks in bf16
+    within the bf16 floor; the loss over the vocabulary's shards in fp32 as the plain one is."""
+    fsdp = runs("fsdp2_short_bf16", "train_fsdp.py", BF16, nproc=2)
+    assert_follows_in_bf16(tp_run(runs, "dp2_tp2", *BF16), fsdp, bf16_floor)
+
+
+# ---------------------------------------------------------------------------------------
+# --stream: each data-parallel group reads its own sub-streams, its TP ranks the same ones
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return test_stream_training.shards.__wrapped__(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory, shards):
+    return test_stream_training.streamed.__wrapped__(tmp_path_factory, shards)
+
+
+@pytest.fixture(scope="module")
+def stream_floor(streamed):
+    return test_stream_training.stream_floor.__wrapped__(streamed)
+
+
+def test_streamed_every_layout_trains_the_model_ddp_trains_and_resumes_at_another(streamed, tmp_path, stream_floor):
+    """(dp 1, tp 2) and (dp 2, tp 2) stream the model DDP on 2 ranks streams, within the floor
+    (2 and 4 sub-streams a group); (dp 2, tp 2) stopped at step 10 resumes at (dp 1, tp 2) to
+    the end, every sub-stream taken from where the checkpoint left it."""
+    ddp = streamed("ddp2", "train_ddp.py", nproc=2)
+    for name, nproc in (("tp_dp1_tp2", 2), ("tp_dp2_tp2", 4)):
+        test_stream_training.assert_same_training(streamed(name, "train_tp.py", ["--tp", "2"], nproc=nproc), ddp,
+                                                  stream_floor)
+    out = tmp_path / "run"
+    run_script("train_tp.py", test_stream_training.args(streamed, out, "--tp", "2", "--stop-at-step", "10"), nproc=4)
+    run_script("train_tp.py", test_stream_training.args(streamed, out, "--tp", "2", "--resume"), nproc=2)
+    test_stream_training.assert_same_training(out, ddp, stream_floor)
+
+
+# ---------------------------------------------------------------------------------------
+# What TP cannot split: one line, exit 2, before anything is written
+
+
+def test_a_tp_that_does_not_divide_the_ranks_is_one_line(runs, tmp_path, capsys):
+    refused_in_process("train_tp.py", ["--dataset", str(runs.corpus), *FAST, "--tp", "2"], tmp_path / "out",
+                       "--tp 2 does not divide the 1 ranks", capsys)
+
+
+@pytest.mark.parametrize("nproc, extra, message", [
+    (2, ["--seq-len", "33"], "--tp 2: --seq-len 33 does not split into 2 equal parts"),
+    (2, ["--compile"], "--compile with --tp 2: torch from 2.12 on compiles tensor-parallel layers to wrong gradients"),
+    (4, ["--tp", "4"], "--tp 4: the model's 2 key/value heads do not split into 4 equal shares; choose a --tp that "
+                       "divides 2"),
+], ids=["seq-len", "compile", "kv-heads"])
+def test_what_tp_cannot_split_is_one_line_on_every_rank_and_the_out_dir_untouched(runs, tmp_path, nproc, extra,
+                                                                                  message):
+    """Through the real torchrun: every rank exits 2 with the same line, printed once, and no
+    --out-dir is made (the model's shapes are checked once the vocabulary is known, before
+    anything is written)."""
+    out = tmp_path / "out"
+    args = ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), "--tp", "2", *extra]
+    proc = run_script("train_tp.py", args, nproc=nproc, wrapper="tests/inject_fault.py", check=False,
+                      env=fault_env(tmp_path, "none", step=0))
+    assert exit_codes(tmp_path) == {f"exit-rank{r}": "2" for r in range(nproc)}, proc.stderr
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and message in ours[0], proc.stderr
+    assert not out.exists()
