@@ -66,8 +66,11 @@ def parallelize(model: LlamaForPretraining, tp_mesh: DeviceMesh) -> LlamaForPret
     order). Given targets, the model returns on every TP rank the loss of the whole model;
     without them, logits sharded by the vocabulary (a DTensor)."""
     base = model.base_model
-    parallelize_module(base.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(),
-                                                                   output_layouts=Shard(1)))
+    # The residual stream stays a DTensor sharded along the sequence (use_local_output=False): a
+    # plain tensor viewed out of one would be a view, which FSDP warns of, as in-place ops on it
+    # would skip its hooks
+    parallelize_module(base.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                                   use_local_output=False))
     for layer in base.layers:
         parallelize_module(layer, tp_mesh, {
             "input_layernorm": SequenceParallel(),
@@ -77,12 +80,12 @@ def parallelize(model: LlamaForPretraining, tp_mesh: DeviceMesh) -> LlamaForPret
             "self_attn.q_proj": ColwiseParallel(),
             "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),  # a reduce-scatter along the sequence
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),  # a reduce-scatter
             "post_attention_layernorm": SequenceParallel(),
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "mlp.gate_proj": ColwiseParallel(),
             "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         })
     parallelize_module(base.norm, tp_mesh, SequenceParallel())
     # The LM head split by the vocabulary, by hand: a module plan's hooks pass its forward only
@@ -105,4 +108,4 @@ def vocabulary_parallel_loss(head: nn.Linear, h: DTensor, targets: torch.Tensor)
         # backward would otherwise meet a plain tensor beside DTensors and fail
         targets = DTensor.from_local(targets.flatten(), logits.device_mesh, [Replicate()])
         loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss.full_tensor()
+    return loss.full_tensor().clone()  # a new tensor: FSDP warns of a view returned by a sharded module
