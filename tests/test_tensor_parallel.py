@@ -113,3 +113,16 @@ def test_a_layout_tp_cannot_split_is_one_line_naming_the_flag():
         with pytest.raises(UsageError) as refused:
             tensor_parallel.check_layout(**kwargs)
         assert str(refused.value) == said
+
+
+def test_a_torch_that_cannot_compile_tp_is_one_line_with_compile_alone(monkeypatch):
+    """torch 2.12.0 fails in its compiled DTensor wrapper: refused there, and there alone."""
+    monkeypatch.setattr(torch, "__version__", "2.12.0+cu130")
+    tensor_parallel.check_layout(2, seq_len=32, world_size=2)  # eager: fine
+    tensor_parallel.check_layout(1, seq_len=32, world_size=2, compile=True)  # no TP: fine
+    with pytest.raises(UsageError) as refused:
+        tensor_parallel.check_layout(2, seq_len=32, world_size=2, compile=True)
+    assert str(refused.value) == ("--compile with --tp 2: torch 2.12.0+cu130 cannot compile tensor-parallel layers "
+                                  "(docs/tp.md); leave --compile out, or use another torch")
+    monkeypatch.setattr(torch, "__version__", "2.14.1+cu130")
+    tensor_parallel.check_layout(2, seq_len=32, world_size=2, compile=True)
