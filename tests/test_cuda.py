@@ -283,6 +283,17 @@ def test_train_fsdp_packed_with_each_layer_compiled(runs, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_train_tp_over_two_gpus_with_nccl_trains_resumes_and_follows_fsdp(runs, tmp_path):
+    """train_tp.py --tp 2 on two GPUs (NCCL, bf16, compiled, packed): it learns, resumes, and
+    its losses follow train_fsdp.py's on the same two GPUs as bf16 lets them (the CPU suite
+    holds the exact comparisons: tests/test_train_tp.py)."""
+    tp = trains_resumes_and_loads(runs, tmp_path, "train_tp.py", nproc=2, extra=["--pack", "--tp", "2"])
+    fsdp = gpu_run(runs, "train_fsdp.py", nproc=2, extra=["--pack"])
+    losses = [[row["loss"] for row in metrics(run) if "loss" in row] for run in (tp, fsdp)]
+    assert len(losses[0]) == len(losses[1]) and max(abs(a - b) / b for a, b in zip(*losses)) < 1e-2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_dataparallel_scatters_the_row_structure_with_the_rows(full_fp32):
     """Real nn.DataParallel over two GPUs: each replica gets its rows' position_ids and builds
     its own BlockMask; the gathered loss is the one module's over the whole batch. The floor:
