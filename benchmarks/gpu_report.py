@@ -13,6 +13,9 @@ DIR/report.md (and DIR/report.json) hold, in this order:
                 same steps shows that it trains the same model; the baseline runs again last: the drift
   the profiles  one traced step of the baseline and one of FSDP (training/profiling.py's --profile), their
                 kernel time by kind side by side (tools/trace_summary.py): where the step's time goes
+  past one GPU  on a machine of 2+ GPUs (--ranks): train_fsdp.py and train_tp.py --tp N over N GPUs, launched by
+                torchrun as a user launches them, on the same corpus: their speed, memory and loss from their own
+                metrics.jsonl (one GPU shows nothing of tensor parallelism, so no such row is made there)
   the CUDA tests  tests/test_cuda.py, run while the corpus is made (each skips without a GPU)
 The report is rewritten after each row, so a run cut short keeps what it measured; a row that fails says why in
 one line and the rest go on; rows past --time-limit say so. docs/benchmarks.md says how to run it on a lent GPU.
@@ -64,6 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--time-limit", type=at_least(1), default=480,
                    help="seconds for the whole report; rows not started by then are left out (default 480)")
     p.add_argument("--tests", action=argparse.BooleanOptionalAction, default=True, help="run tests/test_cuda.py")
+    p.add_argument("--ranks", type=at_least(0), help="GPUs (CPU processes with --device cpu) for the rows past one "
+                   "GPU; 0: none (default: every GPU where there are 2 or more, else 0)")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -77,6 +82,12 @@ def parse_args(argv=None):
     args.compile = cuda if args.compile is None else args.compile
     args.mb = args.mb or (10 if cuda else 1)
     args.vocab_size = preset["vocab_size"]
+    if args.ranks is None:
+        args.ranks = torch.cuda.device_count() if cuda and torch.cuda.device_count() >= 2 else 0
+    if args.ranks == 1:
+        raise UsageError("--ranks 1: the rows past one GPU need 2 or more (0 leaves them out)")
+    if cuda and args.ranks > torch.cuda.device_count():
+        raise UsageError(f"--ranks {args.ranks}: torch sees {torch.cuda.device_count()} GPUs here")
     if args.seq_len > PRESETS[args.model]["max_position_embeddings"]:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the {args.model} model's "
                          f"{PRESETS[args.model]['max_position_embeddings']} positions")
@@ -187,7 +198,8 @@ def make_layouts(args, out: Path, device) -> dict:
     path.parent.mkdir(parents=True)
     bench_data.generate(path, args.mb)
     tokenizer_path = bench_data.bpe(path, args.vocab_size)
-    layouts = {"vocab_size": data.load_tokenizer(tokenizer_path).get_vocab_size()}
+    layouts = {"vocab_size": data.load_tokenizer(tokenizer_path).get_vocab_size(), "corpus": path,
+               "tokenizer": tokenizer_path}
     for name in ("padded", "packed"):
         train = bench_packing.prepare(path, tokenizer_path, args.seq_len, name == "packed")[2]
         n = args.warmup + args.steps
@@ -200,6 +212,50 @@ def make_layouts(args, out: Path, device) -> dict:
 
 
 # ---- the report --------------------------------------------------------------------------------
+
+def past_one_gpu(args, out: Path, layouts: dict, started: float):
+    """(name, result) for train_fsdp.py and train_tp.py --tp N over N = --ranks devices, each launched
+    by torchrun on the report's corpus and tokenizer, packed, compiled as the step's rows are; its
+    speed on real tokens over the timed steps (after --warmup), its peak memory and its last loss,
+    read from its own metrics.jsonl. Both train the same batches from the same initial weights."""
+    steps = args.warmup + args.steps
+    common = ["--dataset", str(layouts["corpus"]), "--tokenizer", str(layouts["tokenizer"]), "--model", args.model,
+              "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--pack", "--max-steps",
+              str(steps), "--warmup-steps", "1", "--log-every", "1", "--eval-every", str(steps), "--save-every",
+              str(steps), "--device", args.device, *(["--compile"] if args.compile else [])]
+    # the largest TP degree the ranks and the model allow (the article model's 3 key/value heads: none)
+    shape = PRESETS[args.model]
+    tp = max(d for d in range(1, args.ranks + 1) if args.ranks % d == 0 and args.seq_len % d == 0 and all(
+        shape[k] % d == 0 for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")))
+    for name, script, extra in ((f"FSDP over {args.ranks}", "train_fsdp.py", []),
+                                (f"TP {tp} + FSDP", "train_tp.py", ["--tp", str(tp)])):
+        if tp == 1 and script == "train_tp.py":
+            yield name, {"error": f"not run: the {args.model} model's heads split over no TP degree that divides "
+                                  f"{args.ranks} GPUs (take a --model whose heads do)"}
+            continue
+        if time.perf_counter() - started > args.time_limit:
+            yield name, {"error": f"not run: the report's --time-limit of {args.time_limit} s was spent"}
+            continue
+        run = out / "past-one-gpu" / script.removesuffix(".py")
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc_per_node={args.ranks}", str(ROOT / script), *common, *extra,
+                               "--out-dir", str(run)], cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0:
+            files.atomic_save(proc.stderr, run.with_suffix(".log"))
+            said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+            yield name, {"error": said[0] if said else f"exit status {proc.returncode} (its stderr: {run}.log)"}
+            continue
+        rows = [row for row in run_folder_metrics(run) if "loss" in row]
+        timed = rows[args.warmup:]
+        yield name, {"tokens_per_s": sum(r["tokens_per_s_nonpad"] for r in timed) / len(timed),
+                     "mfu": sum(r["mfu"] for r in timed) / len(timed) if "mfu" in timed[0] else None,
+                     "peak_gib": max(r.get("max_memory_allocated_gib", 0.0) for r in timed), "loss": rows[-1]["loss"],
+                     "steps": len(rows)}
+
+
+def run_folder_metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
 
 def write_report(out: Path, report: dict):
     """report.md and report.json, each written whole (rewritten after every row)."""
@@ -231,6 +287,17 @@ def markdown(report: dict) -> list[str]:
                      f"{r['peak_gib']:.2f} | {r['loss']:.4f} | {ratio} |")
     lines += ["", *ratios(report), "", "## One profiled step each: kernel time by kind", ""]
     lines += profile_lines(report["profiles"]) if report.get("profiles") else ["not run"]
+    if report.get("past_one_gpu"):
+        lines += ["", f"## Past one GPU: {a['ranks']} of them, train_fsdp.py and train_tp.py", "",
+                  "Each launched by torchrun on the same corpus and batches, from the same initial weights "
+                  "(docs/tp.md says what to expect).", "",
+                  "| run | real tokens/s | MFU | peak memory a GPU (GiB) | loss after the steps |", "|---|---:|---:|---:|---:|"]
+        for name, r in report["past_one_gpu"].items():
+            if "tokens_per_s" not in r:
+                lines.append(f"| {name} | {r['error']} | | | |")
+                continue
+            mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
+            lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {mfu} | {r['peak_gib']:.2f} | {r['loss']:.4f} |")
     lines += ["", "## The CUDA tests", "", f"`python -m pytest tests/test_cuda.py`: {report.get('cuda_tests', 'not run')}"]
     return lines
 
@@ -329,6 +396,12 @@ def main(argv=None, leave_at_once=False):
                 report.setdefault("profiles", {})[spec["name"]] = {"error": failed(e)}
         write_report(out, report)
         print(f"{spec['name']}: {result}", flush=True)
+    if args.ranks:
+        report["past_one_gpu"] = {}
+        for name, result in past_one_gpu(args, out, layouts, started):
+            report["past_one_gpu"][name] = result
+            write_report(out, report)
+            print(f"{name}: {result}", flush=True)
     report["seconds"] = time.perf_counter() - started
     write_report(out, report)
     print(f"report in {out / 'report.md'} after {report['seconds']:.0f} s", flush=True)

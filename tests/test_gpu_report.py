@@ -24,7 +24,7 @@ def test_the_report_runs_on_a_cpu_and_writes_every_row_a_gpu_run_writes(tmp_path
     temp.mkdir()
     peak = 0.5  # TFLOP/s: a CPU has none in the table; given, the report's MFU formula runs
     run_script("benchmarks/gpu_report.py", ["--out", str(out), "--device", "cpu", "--model", "debug",
-                                            "--peak-tflops", str(peak)], env={"TMPDIR": str(temp)})
+                                            "--peak-tflops", str(peak), "--ranks", "2"], env={"TMPDIR": str(temp)})
     # its `datasets` caches (bench_data.fresh_cache's) went with it, though it leaves with os._exit
     assert list(temp.glob("bench_data_cache_*")) == []
     report = json.loads((out / "report.json").read_text())
@@ -65,6 +65,13 @@ def test_the_report_runs_on_a_cpu_and_writes_every_row_a_gpu_run_writes(tmp_path
         assert traced["kinds"]["matmul"] > 0 and traced["kinds"]["optimizer"] > 0
         assert (out / traced["trace"]).is_file()
     assert " skipped" in report["cuda_tests"] and "exit status 0" in report["cuda_tests"]
+
+    # past one GPU (--ranks 2: two CPU processes here): FSDP and TP over them, launched by torchrun, train
+    # the same batches from the same weights: the same loss to rounding, each its line in the table
+    fsdp, tp = report["past_one_gpu"]["FSDP over 2"], report["past_one_gpu"]["TP 2 + FSDP"]
+    assert fsdp["steps"] == tp["steps"] == report["args"]["warmup"] + report["args"]["steps"]
+    assert fsdp["tokens_per_s"] > 0 and tp["tokens_per_s"] > 0 and abs(tp["loss"] - fsdp["loss"]) < 1e-5 * fsdp["loss"]
+    assert f"| TP 2 + FSDP | {tp['tokens_per_s']:,.0f} | n/a |" in markdown
 
 
 
