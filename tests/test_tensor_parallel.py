@@ -116,7 +116,10 @@ def test_a_layout_tp_cannot_split_is_one_line_naming_the_flag():
 
 
 def test_a_torch_that_cannot_compile_tp_is_one_line_with_compile_alone(monkeypatch):
-    """torch 2.12.0 fails in its compiled DTensor wrapper: refused there, and there alone."""
+    """torch 2.12 and 2.13 fail in their compiled DTensor wrapper: refused there, and there alone."""
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    with pytest.raises(UsageError):
+        tensor_parallel.check_layout(2, seq_len=32, world_size=2, compile=True)
     monkeypatch.setattr(torch, "__version__", "2.12.0+cu130")
     tensor_parallel.check_layout(2, seq_len=32, world_size=2)  # eager: fine
     tensor_parallel.check_layout(1, seq_len=32, world_size=2, compile=True)  # no TP: fine

@@ -33,9 +33,10 @@ def check_layout(tp: int, seq_len: int, world_size: int, compile: bool = False) 
     """What --tp cannot split in the job, one line naming the flag to change, before the mesh
     is made: whole TP groups in the world, a sequence that splits evenly (sequence parallelism),
     and a torch that can compile them where --compile asks it to."""
-    if tp > 1 and compile and torch.__version__.startswith("2.12."):
-        # torch 2.12.0's compiled DTensor wrapper fails in the first forward ("'Tensor' object has
-        # no attribute 'elem'"); 2.11.0 and 2.14.1 train the eager model (tests/test_train_tp.py)
+    if tp > 1 and compile and torch.__version__.startswith(("2.12.", "2.13.")):
+        # The compiled DTensor wrapper of torch 2.12.0 fails in the first forward, 2.13.0's in the
+        # first evaluation ("'Tensor' object has no attribute 'elem'"); 2.11.0 and 2.14.1 train the
+        # eager model (tests/test_train_tp.py)
         raise UsageError(f"--compile with --tp {tp}: torch {torch.__version__} cannot compile tensor-parallel "
                          "layers (docs/tp.md); leave --compile out, or use another torch")
     if world_size % tp:
