@@ -23,7 +23,21 @@ def _distances(model, reference, tp_loss, ref_loss) -> tuple[float, float]:
     return abs(tp_loss - ref_loss) / abs(ref_loss), max((a - b).abs().max().item() for a, b in grads)
 
 
-def _worker(rank, store_path, results, packed):
+def plain_vocabulary_parallel_loss(head, h, targets):
+    """The plain formulation tensor_parallel.vocabulary_parallel_loss replaces: the logits of this
+    rank's V/tp rows of the vocabulary, all at once, and torch's loss_parallel over their shards."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import loss_parallel
+    from model import IGNORE_INDEX
+    logits = F.linear(h.redistribute(placements=[Replicate()]).flatten(0, -2), head.weight)  # Shard(-1)
+    with loss_parallel():  # the targets a DTensor too: backward runs outside this context
+        targets = DTensor.from_local(targets.flatten(), logits.device_mesh, [Replicate()])
+        loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss.full_tensor()
+
+
+def _worker(rank, store_path, results, case):
     import copy
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -35,13 +49,20 @@ def _worker(rank, store_path, results, packed):
         whole = LlamaForPretraining(LlamaConfig(**CONFIG))
         reordered, split = copy.deepcopy(whole), copy.deepcopy(whole)
         tensor_parallel.parallelize(split, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+        if case == "chunked":  # 64 tokens in 13 chunks, each chunk's softmax over both shards
+            split.lm_head.chunk_tokens = 5
+        if case == "plain-loss":
+            split.lm_head.parallel_loss = plain_vocabulary_parallel_loss
+        packed = case == "packed"
         x = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(1))
         y = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(2))
         y[1, 9:] = IGNORE_INDEX  # a padded row: its pads have no target
         # packed rows (--pack): windows of 5, 7 and 4 positions, each attending to itself alone
         position_ids = torch.cat([torch.arange(5), torch.arange(7), torch.arange(4)]).expand(4, 16) if packed else None
-        losses = {}
+        losses, evaluated = {}, {}
         for name, model in (("whole", whole), ("split", split)):
+            with torch.no_grad():  # evaluation: the loss alone (the chunked loss's other path)
+                evaluated[name] = model(x, y, position_ids)[0].sum().item()
             loss_sum, n = model(x, y, position_ids)
             (loss_sum.sum() / n.sum()).backward()
             losses[name] = (loss_sum.sum() / n.sum()).item()
@@ -55,7 +76,9 @@ def _worker(rank, store_path, results, packed):
         eps = torch.finfo(torch.float32).eps
         floor_loss, floor_grad = _distances(reordered, whole, reordered_loss, losses["whole"])
         floor = (max(floor_loss, eps), max(floor_grad, eps * largest))
-        results.put((rank, _distances(split, whole, losses["split"], losses["whole"]), floor))
+        loss, grad = _distances(split, whole, losses["split"], losses["whole"])
+        loss = max(loss, abs(evaluated["split"] - evaluated["whole"]) / evaluated["whole"])
+        results.put((rank, (loss, grad), floor))
     except BaseException as e:  # reported, so that the test fails instead of waiting for a result
         results.put((rank, repr(e), None))
     results.close()
@@ -63,17 +86,18 @@ def _worker(rank, store_path, results, packed):
     os._exit(0)  # (no teardown of gloo: see test_speed.py's DDP worker)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_the_model_split_over_two_ranks_computes_the_whole_models_loss_and_gradients(tmp_path, packed):
+@pytest.mark.parametrize("case", ["padded", "packed", "chunked", "plain-loss"])
+def test_the_model_split_over_two_ranks_computes_the_whole_models_loss_and_gradients(tmp_path, case):
     """q, k, v, gate, up split by columns, o, down by rows, the norms along the sequence, the LM
     head by the vocabulary with the loss over its shards: on every rank the loss and every
     gradient (gathered whole) equal the unsplit model's within 20 times the floor (the same
     model on the same batch as two micro-batches), a padded row's pads ignored, packed rows'
-    windows apart (each rank's heads under the windows' mask). A plan that
+    windows apart (each rank's heads under the windows' mask), in training and evaluation; with
+    the loss in many chunks, and in its plain formulation (loss_parallel). A plan that
     passed the LM head its input alone (a module plan's hooks do) would drop the targets."""
     import torch.multiprocessing as mp
     results = mp.get_context("spawn").Queue()
-    workers = mp.start_processes(_worker, args=(str(tmp_path / "store"), results, packed), nprocs=2, join=False,
+    workers = mp.start_processes(_worker, args=(str(tmp_path / "store"), results, case), nprocs=2, join=False,
                                  start_method="spawn")
     got = dict((rank, (distances, floor)) for rank, distances, floor in (results.get(timeout=300),
                                                                            results.get(timeout=300)))

@@ -19,13 +19,13 @@ The plan is torchtitan's and pytorch/examples' (../shared/TP.md): the embedding 
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+                                               SequenceParallel, parallelize_module)
 
-from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining
+from model import LlamaConfig, LlamaForPretraining, compute_dtype
+from ops import chunked_loss
 from training.errors import UsageError
 
 
@@ -98,18 +98,19 @@ def parallelize(model: LlamaForPretraining, tp_mesh: DeviceMesh) -> LlamaForPret
     return model
 
 
-# Eager even in a compiled LM head: compiled, loss_parallel's cross-entropy trained packed rows to
-# weights 8.0e-3 from eager after 8 steps on torch 2.14.1 (padded rows: right), in silence
+# Eager even in a compiled LM head: compiled, loss_parallel's cross-entropy (the plain formulation,
+# in tests/test_tensor_parallel.py) trained packed rows to weights 8.0e-3 from eager after 8 steps
+# on torch 2.14.1 (padded rows: right), in silence; and the chunks' collectives are no graph's
 @torch.compiler.disable
 def vocabulary_parallel_loss(head: nn.Linear, h: DTensor, targets: torch.Tensor) -> torch.Tensor:
-    """The summed cross-entropy of the targets, no rank holding the whole vocabulary's logits:
-    loss_parallel computes the log-softmax's max and sum over the vocabulary's shards with two
-    all-reduces of (tokens,) numbers. h: the final norm's output, sharded along the sequence."""
-    h = h.redistribute(placements=[Replicate()])  # every position's hidden state on every TP rank
-    logits = F.linear(h.flatten(0, -2), head.weight)  # (tokens, V), sharded by the vocabulary: Shard(-1)
-    with loss_parallel():
-        # the targets a DTensor too: backward runs outside this context, where the loss's
-        # backward would otherwise meet a plain tensor beside DTensors and fail
-        targets = DTensor.from_local(targets.flatten(), logits.device_mesh, [Replicate()])
-        loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss.full_tensor().clone()  # a new tensor: FSDP warns of a view returned by a sharded module
+    """The summed cross-entropy of the targets, no rank holding the whole vocabulary's logits,
+    nor all of its own shard's at once: the chunked loss (ops/chunked_loss.py) over this rank's
+    V/tp rows of the weight, each chunk's softmax taking its max and sums over every shard (three
+    all-reduces of one number a token). h: the final norm's output, sharded along the sequence."""
+    # every position's hidden state on every TP rank; its gradient here is this shard's part of a
+    # sum (Partial), which the gather's backward sums and scatters back along the sequence
+    h = h.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+    weight, mesh = head.weight.to_local(), head.weight.device_mesh  # this rank's V/tp rows
+    chunk = head.chunk_tokens or chunked_loss.chunk_tokens(weight.shape[0], h.device)
+    return chunked_loss.chunked_loss(h.flatten(0, -2), weight, targets.flatten(), chunk, compute_dtype(h),
+                                     mesh.get_group(), vocab_start=mesh.get_local_rank() * weight.shape[0])
