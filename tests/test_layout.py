@@ -10,7 +10,7 @@ import sys
 
 from conftest import REPO
 
-LESSON = {"train_dp.py", "train_ddp.py", "train_fsdp.py", "model.py", "data.py"}
+LESSON = {"train_dp.py", "train_ddp.py", "train_fsdp.py", "train_tp.py", "model.py", "data.py"}
 TOP_LEVEL = LESSON | {"README.md", "requirements.txt", "requirements-dev.txt", "pytest.ini", ".gitignore", ".ci",
                       "ops", "training", "tools", "benchmarks", "tests", "docs", "slurm"}
 FOLDERS = ("ops", "training", "tools", "benchmarks")
