@@ -19,7 +19,11 @@ rows' processes taking turns. Table 2 gives each row's bytes a token (from the t
 batches) beside memory.py's estimate, and Table 3 the largest micro-batch of 512 tokens that
 fits --gpu-gb for the article and 1b presets under DDP and FSDP, from memory.py's estimate
 (an estimate: no run of that size is made; searched up to 4,096 sequences, and a row that
-reaches it says "at least 4096").
+reaches it says "at least 4096"). Table 4, from the same estimate, what each rank holds under
+train_tp.py for those presets at --tp 1, 2, 4 and 8, with dp 1 and with FSDP over the rest of
+8 GPUs: fp32 weights, gradients and AdamW's moments, the activations of one micro-batch of
+--batch's first x --seq-len tokens a TP group, and the loss's logits (the chunked loss's chunk
+at tp 1, loss_parallel's whole (tokens, V/tp) at the peak of its backward beyond).
 """
 
 import argparse
@@ -176,6 +180,53 @@ def fits_table(args) -> list:
     return rows
 
 
+TP_DEGREES = (1, 2, 4, 8)
+GPUS = 8  # a node's: the second layout of Table 4 spreads FSDP over the rest of them
+
+
+def tp_table(args) -> list:
+    """memory.py's estimate per rank under train_tp.py, for the article and 1b presets at each
+    of TP_DEGREES, with dp 1 and with dp = GPUS / tp: one micro-batch of --batch's first x
+    --seq-len tokens a TP group, on a GPU (fused AdamW, saves in host memory)."""
+    import torch
+
+    from model import PRESETS, LlamaConfig
+    from training import memory, tensor_parallel
+    from training.config import TRAINING_PRESETS
+    from training.errors import UsageError
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    rows = []
+    for preset in ("article", "1b"):
+        config = LlamaConfig(vocab_size=TRAINING_PRESETS[preset]["vocab_size"], **PRESETS[preset])
+        for tp in TP_DEGREES:
+            try:
+                tensor_parallel.check_model(config, tp)
+            except UsageError as refused:
+                rows.append({"model": preset, "tp": tp, "refused": str(refused)})
+                continue
+            for dp in sorted({1, GPUS // tp}):
+                need = memory.estimate(config, args.batch[0], args.seq_len, dtype, shards=dp * tp, on_gpu=True, tp=tp)
+                weights = need.state // (memory.BYTES_PER_PARAMETER // 4)  # the fp32 weights: 4 bytes of the 16
+                rows.append({"model": preset, "tp": tp, "dp": dp, "weights": weights, "gradients": weights,
+                             "optimizer": 2 * weights, "activations": need.activations, "logits": need.logits,
+                             "total": need.total})
+    return rows
+
+
+def print_tp(args, rows):
+    print(f"\nTable 4: per rank under train_tp.py (memory.py's estimate, GB), one micro-batch of {args.batch[0]} x "
+          f"{args.seq_len} tokens a TP group, {args.dtype}, on GPUs; dp {GPUS} / tp: FSDP over the rest of {GPUS}")
+    print(f"  {'model':<9}{'tp':>3}{'dp':>4}{'weights':>9}{'grads':>8}{'AdamW':>8}{'activations':>13}{'loss':>7}"
+          f"{'total':>8}")
+    for row in rows:
+        if "refused" in row:
+            print(f"  {row['model']:<9}{row['tp']:>3}    refused: {row['refused']}")
+            continue
+        cells = "".join(f"{row[key] / 1e9:>{width}.2f}" for key, width in (
+            ("weights", 9), ("gradients", 8), ("optimizer", 8), ("activations", 13), ("logits", 7), ("total", 8)))
+        print(f"  {row['model']:<9}{row['tp']:>3}{row['dp']:>4}{cells}")
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.one:
@@ -183,6 +234,7 @@ def main(argv=None):
         return
     if args.estimate_only:
         print_fits(args, fits_table(args))
+        print_tp(args, tp_table(args))
         return
     results = {}
     for batch in args.batch:
@@ -215,11 +267,13 @@ def main(argv=None):
           f"{(base['backward'] - results['chunked loss', large]['backward']) / 2**30:.2f} GiB less; "
           f"with activation checkpointing {base['seconds'] / results['+ act. checkpointing', large]['seconds']:.2f}x, "
           f"{(base['backward'] - results['+ act. checkpointing', large]['backward']) / 2**30:.2f} GiB less")
-    fits = fits_table(args)
+    fits, tp_rows = fits_table(args), tp_table(args)
     print_fits(args, fits)
+    print_tp(args, tp_rows)
     from training import files  # here: the rows' processes import no more than they measure
     files.atomic_save(json.dumps({"args": vars(args), "rows": {f"{v} @ {b}": r for (v, b), r in results.items()},
-                                  "bytes_per_token": per_token, "fits": fits, "largest_searched": LARGEST_SEARCHED},
+                                  "bytes_per_token": per_token, "fits": fits, "largest_searched": LARGEST_SEARCHED,
+                                  "tensor_parallel": tp_rows},
                                  indent=2), Path(args.json))
     print(f"\nwritten to {args.json}")
 

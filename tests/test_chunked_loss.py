@@ -107,13 +107,20 @@ class MatmulDtypes(TorchDispatchMode):
 def allocated_peak(fn) -> int:
     """The most bytes of tensors alive at once while fn runs, above what was alive before:
     torch's CPU allocator, as torch.profiler records each allocation and free."""
+    return allocations(fn)[0]
+
+
+def allocations(fn) -> tuple[int, int]:
+    """(the peak while fn runs, what is still alive when it returns), in bytes above what was
+    alive before, as allocated_peak measures them."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = [e["args"] for e in json.load(open(f.name))["traceEvents"] if e.get("name") == "[memory]"]
+        events = [e["args"] for e in sorted((e for e in json.load(open(f.name))["traceEvents"]
+                                             if e.get("name") == "[memory]"), key=lambda e: e["ts"])]
     before = events[0]["Total Allocated"] - events[0]["Bytes"]
-    return max(e["Total Allocated"] for e in events) - before
+    return max(e["Total Allocated"] for e in events) - before, events[-1]["Total Allocated"] - before
 
 
 def head_loss_and_gradients(loss_fn, order, head=None, dtype=torch.float32):

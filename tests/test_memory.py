@@ -3,6 +3,7 @@ warned about, once the vocabulary is known: before the corpus is tokenized, and 
 anything is written (memory.py). The estimate behind both is checked against what a
 training step really holds."""
 
+import dataclasses
 import os
 
 import pytest
@@ -232,3 +233,143 @@ def test_on_a_gpu_the_host_memory_the_model_passes_through_is_checked_too(monkey
         check(300)
     monkeypatch.setattr(memory, "device_memory", lambda device: (10**15, 10**15))
     check(300)  # a host large enough: nothing said
+
+
+TP_CONFIG = LlamaConfig(vocab_size=8192, **PRESETS["tiny"])  # a model TP splits in 2, whose vocabulary counts
+
+
+def _tp_worker(rank, store_path, results):
+    """On 2 gloo ranks, the model as train_tp.py builds it at (dp 1, tp 2), in fp32 and bf16:
+    what a rank holds from forward into backward at two micro-batches, the loss's peak alone
+    at two vocabularies, and each rank's share of the parameters and of FSDP's groups."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from test_chunked_loss import allocations
+    from train_fsdp import shard
+    from model import LlamaLMHead
+    from training import tensor_parallel
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+        cfg = config.parse_args(["--model", "tiny", "--tp", "2"], distributed=True, tensor=True)
+        got, T = {}, 64
+        for dtype in (torch.float32, torch.bfloat16):
+            with torch.device("meta"):
+                model = LlamaForPretraining(TP_CONFIG)
+            tensor_parallel.parallelize(model, mesh["tp"])
+            if dtype == torch.float32:  # the shares, before FSDP (over a "dp" of 1) wraps them
+                def share(module):
+                    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters())
+                base = model.base_model
+                got["parameters"] = share(model)
+                got["largest_group"] = max(share(g) for g in [base.embed_tokens, model.lm_head, *base.layers])
+            shard(model, mesh["dp"], dtype)
+            model.to_empty(device="cpu")
+            build.init_weights(model, cfg)
+            held, g = {}, torch.Generator().manual_seed(0)
+            for B in (2, 4):
+                x, y = torch.randint(3, TP_CONFIG.vocab_size, (2, B, T), generator=g)
+                model(x, y)[0].sum().backward()  # FSDP's and the allocator's first requests
+                kept = []
+                held[B] = allocations(lambda: kept.append(model(x, y)[0].sum()))[1]
+                kept[0].backward()
+            got["held", dtype] = (held[4] - held[2]) / (2 * T)
+        N, C = 1024, 64  # the loss alone: tokens, and a hidden size that keeps the head's input small
+        peak = {}
+        for V in (8192, 16384):
+            head = LlamaLMHead(C, V)
+            head.weight = torch.nn.Parameter(distribute_tensor(head.weight.detach(), mesh["tp"], [Shard(0)]))
+            h = distribute_tensor(torch.randn(1, N, C), mesh["tp"], [Shard(1)]).requires_grad_()
+            y = torch.randint(0, V, (1, N))
+            peak[V] = allocated_peak_of_loss(lambda: tensor_parallel.vocabulary_parallel_loss(head, h, y), allocations)
+        got["loss_per_entry"] = (peak[16384] - peak[8192]) / (16384 - 8192)
+        results.put((rank, got))
+    except BaseException as e:  # reported, so that the test fails instead of waiting for a result
+        results.put((rank, repr(e)))
+    results.close()
+    results.join_thread()  # the result is in the pipe before os._exit, which would drop it
+    os._exit(0)  # (no teardown of gloo: see test_speed.py's DDP worker)
+
+
+def allocated_peak_of_loss(loss, allocations) -> int:
+    """The most a loss holds at once, forward and backward: what its forward keeps, and the peak
+    of its backward above that."""
+    kept = []
+    forward_peak, held = allocations(lambda: kept.append(loss()))
+    return max(forward_peak, held + allocations(lambda: kept[0].backward())[0])
+
+
+@pytest.fixture(scope="module")
+def tp_measured(tmp_path_factory):
+    import time
+    import torch.multiprocessing as mp
+    results = mp.get_context("spawn").Queue()
+    workers = mp.start_processes(_tp_worker, args=(str(tmp_path_factory.mktemp("tp") / "store"), results),
+                                 nprocs=2, join=False, start_method="spawn")
+    got = dict(results.get(timeout=600) for _ in range(2))
+    deadline = time.monotonic() + 60
+    while not workers.join(timeout=1):  # True once both exited; raises if one failed
+        assert time.monotonic() < deadline, "a worker did not exit"
+    for measured in got.values():
+        assert isinstance(measured, dict), measured  # the worker's error
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_under_tp_the_activation_estimate_bounds_what_a_rank_holds_from_forward_into_backward(tp_measured, dtype):
+    """train_tp.py's model at (dp 1, tp 2), its allocations recorded by torch.profiler at two
+    micro-batches: what each token adds to what a rank holds once forward is done (the
+    activations, and the loss's fp32 log-softmax of the rank's V/tp logits) is at most the
+    estimate, and the estimate at most 1.5x it. Not divided by tp (the sequence-parallel norms,
+    this rank's heads and hidden units), the estimate would be 1.9x what is held."""
+    log_softmax = 4 * TP_CONFIG.vocab_size // 2
+    estimated = memory.activation_bytes_per_token(TP_CONFIG, dtype, tp=2) + log_softmax
+    for rank, measured in tp_measured.items():
+        held = measured["held", dtype]
+        print(f"rank {rank}, {dtype}: {held:,.0f} bytes a token held, {estimated:,} estimated")
+        assert held <= estimated <= 1.5 * held, (held, estimated)
+
+
+def test_under_tp_the_loss_estimate_is_what_the_loss_over_the_vocabularys_shards_holds_at_its_peak(tp_measured):
+    """vocabulary_parallel_loss computes every token's logits of this rank's V/tp entries at once:
+    what each vocabulary entry adds to the loss's peak (forward, or what forward keeps and
+    backward's peak) is what the estimate's logits add (within 1%: a few kilobytes come and go
+    beside them). The whole vocabulary's logits would be twice it at tp 2; one fp32 copy and
+    its bf16 one, a quarter."""
+    tokens = 1024
+    per_entry = (memory.estimate(dataclasses.replace(TP_CONFIG, vocab_size=16384), 1, tokens, torch.float32,
+                                 shards=2, tp=2).logits
+                 - memory.estimate(TP_CONFIG, 1, tokens, torch.float32, shards=2, tp=2).logits) / (16384 - 8192)
+    for rank, measured in tp_measured.items():
+        print(f"rank {rank}: the loss's peak grows {measured['loss_per_entry']:,.0f} bytes a vocabulary entry, "
+              f"{per_entry:,.0f} estimated")
+        assert per_entry == pytest.approx(measured["loss_per_entry"], rel=0.01)
+
+
+def test_under_tp_each_rank_holds_its_share_of_the_state_and_of_fsdps_groups(tp_measured):
+    """At (dp 1, tp 2): the state of what each rank holds, its matrices' halves and the norms'
+    gains whole; FSDP gathers a TP rank's share of its largest group, two at a time, in bf16.
+    FSDP over "dp" then divides the state, as it does without TP."""
+    two, four = (memory.estimate(TP_CONFIG, 4, 64, torch.bfloat16, shards=n, tp=2) for n in (2, 4))
+    for measured in tp_measured.values():
+        assert two.state == memory.BYTES_PER_PARAMETER * measured["parameters"]
+        assert two.copies == 2 * 2 * measured["largest_group"]
+    assert (four.state, four.snapshot) == (two.state // 2, two.snapshot // 2)
+    assert four.activations == two.activations and four.logits == two.logits  # each TP group's micro-batch
+
+
+def test_the_check_counts_what_tp_divides(monkeypatch):
+    """train_tp.py's Check at (dp 1, tp 2) makes the estimate at tp 2: memory for just that is
+    enough, with not a word, and a byte less is warned about. (Counted as if each rank computed
+    its whole layer, this model and batch would need another amount: one of the two would fail.)"""
+    cfg = config.parse_args(["--model", "tiny", "--seq-len", "512", "--tp", "2"], distributed=True, tensor=True)
+    split, whole = (memory.estimate(TP_CONFIG, 16, 512, torch.float32, shards=2, tp=tp) for tp in (2, 1))
+    assert split.total != whole.total
+    warned = []
+    monkeypatch.setattr(memory, "warn", warned.append)
+    for available, warnings in ((split.total, 0), (split.total - 1, 1)):
+        monkeypatch.setattr(memory, "device_memory", lambda device: (split.total, available))
+        memory.Check(cfg, 16, torch.float32, torch.device("cpu"), shards=2)(TP_CONFIG.vocab_size)
+        assert len(warned) == warnings

@@ -423,6 +423,25 @@ def test_bench_memory_says_when_the_search_for_what_fits_stopped_before_the_gpu_
     assert len(rows) == 16 and not any("at least" in row for row in rows)
 
 
+def test_bench_memory_tables_what_each_rank_holds_under_tp(capsys):
+    """Table 4: article and 1b at each tp, with dp 1 and with FSDP over the rest of 8 GPUs; what
+    TP cannot split said as train_tp.py refuses it. The activations fall with tp, but less than
+    tp-fold (the gathered inputs stay whole); on 8 GPUs every layout holds about the same state."""
+    from benchmarks import bench_memory
+    rows = bench_memory.tp_table(bench_memory.parse_args(["--estimate-only", "--dtype", "bf16"]))
+    assert {(r["model"], r["tp"]) for r in rows if "refused" in r} == {("article", 2), ("article", 4), ("article", 8)}
+    one_b = {(r["tp"], r["dp"]): r for r in rows if r["model"] == "1b"}
+    assert set(one_b) == {(1, 1), (1, 8), (2, 1), (2, 4), (4, 1), (4, 2), (8, 1)}
+    for tp in (2, 4, 8):
+        whole, split = one_b[1, 1]["activations"], one_b[tp, 1]["activations"]
+        assert whole / tp < split < whole
+        assert one_b[tp, 1]["weights"] == one_b[tp, 8 // tp]["weights"] * (8 // tp)  # FSDP's share of TP's
+    on_8 = [r["weights"] for (tp, dp), r in one_b.items() if tp * dp == 8]
+    assert max(on_8) < 1.001 * min(on_8)  # (the norms' gains whole on each TP rank: a little more at a higher tp)
+    bench_memory.main(["--estimate-only"])
+    assert "Table 4" in capsys.readouterr().out
+
+
 READ_AHEAD_TOY = ["--rounds", "1", "--read-ms", "0", "--max-steps", "6", "--", "--model", "debug", "--vocab-size",
                   "300", "--seq-len", "32", "--batch-size", "8", "--val-docs", "2", "--dtype", "fp32"]
 

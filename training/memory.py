@@ -32,6 +32,15 @@ Per process, in bytes:
   CPU the attention mask (seq_len values a token, in the compute dtype); past one block of
   queries (packed_attention.QUERY_BLOCK), each layer keeps a copy of its attention output.
   tests/test_memory.py checks this against what autograd really saves.
+- under tensor parallelism (train_tp.py, tp ranks a group; sequence parallelism between the
+  blocks), per rank: the matrices' state 1/tp (each rank its rows or columns), sharded by FSDP
+  over the world / tp groups; the norms' gains whole on every TP rank. The residual stream and
+  the norms' inputs and outputs 1/tp (sequence-parallel: (B, T/tp, C)); the inputs of
+  attention and of the MLP whole (gathered along the sequence); q, k, v, attention's output
+  and the MLP's hidden units 1/tp (each rank its heads, its hidden units). The loss is not
+  chunked: loss_parallel's cross-entropy over each rank's (tokens, V/tp) logits holds, at the
+  peak of its backward, six fp32 tensors of that size (LOSS_PARALLEL_LOGITS). FSDP gathers
+  1/tp of each group. tests/test_memory.py measures these on 2 gloo ranks.
 """
 
 import collections
@@ -50,6 +59,12 @@ from training.config import TrainConfig
 from training.errors import UsageError, warn
 
 BYTES_PER_PARAMETER = 4 + 4 + 8  # fp32 weight, its gradient, AdamW's exp_avg and exp_avg_sq
+# Tensor parallelism's loss (tensor_parallel.vocabulary_parallel_loss), in fp32 (tokens, V/tp)
+# tensors a rank holds at once: the log-softmax kept from forward, and at the peak of backward
+# five more (loss_parallel's nll_loss backward makes the softmax, the one-hot targets and
+# their difference; the log-softmax's backward a copy). Measured on 2 gloo ranks, fp32 and
+# bf16 alike (the compute-dtype logits are freed by then): tests/test_memory.py.
+LOSS_PARALLEL_LOGITS = 6
 
 
 @dataclass
@@ -60,7 +75,7 @@ class Estimate:
     build: int  # FSDP: the largest weight, whole in fp32, as each rank draws it and keeps its part (0 otherwise)
     optimizer_temporaries: int  # AdamW's unfused step (a CPU): two of the largest weight's size
     copies: int  # weights in the compute dtype: autocast's copies, or FSDP's two gathered groups
-    logits: int  # the chunked loss's one chunk of logits, fp32 (and its compute-dtype matmul output)
+    logits: int  # the chunked loss's one chunk of logits, fp32 (and its compute-dtype matmul output); TP: all of them
     head_gradient: int  # the chunked loss's LM head gradient, made in forward
     activations: int  # saved for backward by one micro-batch
 
@@ -80,32 +95,49 @@ class Estimate:
 
 
 def activation_bytes_per_token(config: LlamaConfig, dtype: torch.dtype, checkpointing: bool = False,
-                               compiled: bool = False, packed_seq_len: int | None = None, on_gpu: bool = False) -> int:
-    """packed_seq_len: the rows' length, for packed rows (--pack); None for one window a row."""
+                               compiled: bool = False, packed_seq_len: int | None = None, on_gpu: bool = False,
+                               tp: int = 1) -> int:
+    """packed_seq_len: the rows' length, for packed rows (--pack); None for one window a row.
+    tp: the ranks each layer is split over (train_tp.py), a token being one of the micro-batch
+    that every rank of the TP group computes on; 1: the whole layer on each rank."""
     C, I = config.hidden_size, config.intermediate_size
     if compiled:  # measured on a CPU (tests/test_memory.py); on an H100, the article model kept 1.03x this
+        # (train_tp.py refuses --compile: no TP share here)
         per_layer = (6 * I + 11 * C) * dtype.itemsize // 2 + 4 * C + 4 * config.num_attention_heads + 8
     else:
-        per_layer = (4 * I + 10 * C) * dtype.itemsize + 16 * C
-    layers = config.num_hidden_layers * 4 * C + per_layer if checkpointing else config.num_hidden_layers * per_layer
-    final_norm = 8 * C + 4 + 8  # its fp32 input, output and norm, and the embedding's int64 token ids
-    lm_head = (config.vocab_size + C) * dtype.itemsize + 8 if compiled else 4 * C  # compiled: logits, input, target
+        # Whole on every TP rank: the inputs of q, k, v and of gate, up (autocast's copy of each,
+        # 5 x hidden), all-gathered along the sequence before the column-parallel matmuls.
+        # 1/tp: q, k, v, attention's output and its joined heads (5 x hidden: this rank's heads)
+        # and the MLP's 4 x intermediate (its hidden units); the two RMSNorms' fp32 inputs and
+        # outputs (16 x hidden bytes), sequence-parallel: (B, T/tp, C).
+        per_layer = (5 * C + (5 * C + 4 * I) // tp) * dtype.itemsize + 16 * C // tp
+    residual = 4 * C // tp  # a checkpointed layer's fp32 input: the residual stream, sequence-parallel
+    layers = config.num_hidden_layers * residual + per_layer if checkpointing else config.num_hidden_layers * per_layer
+    final_norm = 8 * C // tp + 4 + 8  # its fp32 input, output (sequence-parallel) and norm, the token ids (whole)
+    if compiled:
+        lm_head = (config.vocab_size + C) * dtype.itemsize + 8  # logits, input, target
+    elif tp > 1:  # the final norm's output gathered whole, in the compute dtype, for the head's weight gradient
+        lm_head = C * dtype.itemsize  # (its logits: Estimate.logits)
+    else:
+        lm_head = 4 * C  # the chunked loss keeps the hidden states' gradient
     packing = 0
     if packed_seq_len:
         packing = 8 * config.head_dim  # each token's fp32 cos and sin (packed_attention: rows have their own)
-        if not on_gpu:  # the CPU's mask and, past one block of queries, the joined attention outputs
+        if not on_gpu:  # the CPU's mask and, past one block of queries, the joined attention outputs (its heads)
             blocks = packed_seq_len > packed_attention.QUERY_BLOCK
-            packing += packed_seq_len * dtype.itemsize + blocks * C * dtype.itemsize * (
+            packing += packed_seq_len * dtype.itemsize + blocks * C // tp * dtype.itemsize * (
                 1 if checkpointing else config.num_hidden_layers)
     return layers + final_norm + lm_head + packing
 
 
-Sizes = collections.namedtuple("Sizes", "parameters largest layer_matmuls layers_matmuls lm_head largest_group")
+Sizes = collections.namedtuple("Sizes", "parameters matrices largest layer_matmuls layers_matmuls lm_head groups")
 
 
 @functools.lru_cache(maxsize=None)
 def _sizes(config_fields: tuple) -> Sizes:
-    """Parameter counts of the real model, built on the meta device (nothing allocated)."""
+    """Parameter counts of the real model, built on the meta device (nothing allocated).
+    groups: train_fsdp.shard's groups, each as (its matrices, its vectors): TP splits the
+    first (tensor_parallel.parallelize), and leaves the RMSNorms' gains whole."""
     with torch.device("meta"):
         model = LlamaForPretraining(LlamaConfig(*config_fields))
 
@@ -113,39 +145,53 @@ def _sizes(config_fields: tuple) -> Sizes:
         return sum(p.numel() for p in module.parameters() if p.dim() == 2 or not matmuls_only)
     layers = model.base_model.layers
     groups = [model.base_model.embed_tokens, model.lm_head, *layers]  # train_fsdp.shard's groups
-    return Sizes(parameters=count(model), largest=max(p.numel() for p in model.parameters()),
+    return Sizes(parameters=count(model), matrices=count(model, True),
+                 largest=max(p.numel() for p in model.parameters()),
                  layer_matmuls=count(layers[0], True), layers_matmuls=sum(count(layer, True) for layer in layers),
-                 lm_head=count(model.lm_head), largest_group=max(count(g) for g in groups))
+                 lm_head=count(model.lm_head), groups=tuple((count(g, True), count(g) - count(g, True))
+                                                            for g in groups))
 
 
 def estimate(config: LlamaConfig, micro_batch: int, seq_len: int, dtype: torch.dtype, shards: int = 1,
              on_gpu: bool = False, checkpointing: bool = False, compiled: bool = False,
-             packed: bool = False) -> Estimate:
-    """What one process holds while it trains; shards: the ranks FSDP spreads the state over
-    (1: one process, DataParallel, DDP); on_gpu: the device is a GPU, where AdamW is fused
-    (build.optimizer) and saves copy the state into host memory; checkpointing:
-    --activation-checkpointing; compiled: --compile; packed: --pack."""
+             packed: bool = False, tp: int = 1) -> Estimate:
+    """What one process holds while it trains; shards: the ranks the state is spread over
+    (1: one process, DataParallel, DDP; FSDP: the world; TP with FSDP: the world too, tp of
+    them splitting each matrix, shards / tp sharding each share); on_gpu: the device is a GPU,
+    where AdamW is fused (build.optimizer) and saves copy the state into host memory;
+    checkpointing: --activation-checkpointing; compiled: --compile; packed: --pack; tp: --tp
+    (train_tp.py; 1 elsewhere), micro_batch then being each TP group's."""
     n = _sizes(dataclasses.astuple(config))
+    # TP splits every matrix (tensor_parallel.parallelize: by rows or columns, the embedding and
+    # the LM head by the vocabulary) and replicates the norms' gains; FSDP shards what each TP
+    # rank holds over the shards / tp ranks of "dp". (Without TP: 1/shards of every parameter.)
+    local_parameters = n.matrices // tp + (n.parameters - n.matrices)
+    dp = shards // tp
     if dtype == torch.float32:
         copies = 0
     elif shards == 1:  # autocast: a copy of every matmul weight (the chunked loss's of the LM head is not kept;
         # with activation checkpointing, only those of the layer being recomputed)
         copies = dtype.itemsize * ((n.layer_matmuls if checkpointing else n.layers_matmuls)
                                    + (n.lm_head if compiled else 0))
-    else:  # FSDP gathers two of its groups (train_fsdp.shard) at a time
-        copies = 2 * dtype.itemsize * n.largest_group
-    parameters = n.parameters
+    else:  # FSDP gathers two of its groups (train_fsdp.shard) at a time; under TP, a TP rank's share of them
+        copies = 2 * dtype.itemsize * max(matrices // tp + vectors for matrices, vectors in n.groups)
     tokens = micro_batch * seq_len
-    chunk = min(tokens, chunked_loss.chunk_tokens(config.vocab_size, torch.device("cuda" if on_gpu else "cpu")))
     low_precision = dtype.itemsize if dtype != torch.float32 else 0  # a bf16 copy beside the fp32 one
-    return Estimate(parameters=parameters, state=BYTES_PER_PARAMETER * parameters // shards,
-                    snapshot=0 if on_gpu else (4 + 8) * parameters // shards,
-                    build=4 * n.largest if shards > 1 else 0,
+    if compiled:  # the plain formulation: its logits are the activations' (activation_bytes_per_token)
+        logits = 0
+    elif tp > 1:  # loss_parallel, unchunked: every token's logits of this rank's V/tp entries (see the constant)
+        logits = LOSS_PARALLEL_LOGITS * 4 * tokens * (config.vocab_size // tp)
+    else:
+        chunk = min(tokens, chunked_loss.chunk_tokens(config.vocab_size, torch.device("cuda" if on_gpu else "cpu")))
+        logits = chunk * config.vocab_size * (4 + low_precision)
+    return Estimate(parameters=n.parameters, state=BYTES_PER_PARAMETER * local_parameters // dp,
+                    snapshot=0 if on_gpu else (4 + 8) * local_parameters // dp,
+                    build=4 * n.largest if shards > 1 else 0,  # init_weights draws each weight whole, TP or not
                     optimizer_temporaries=0 if on_gpu else 2 * 4 * -(-n.largest // shards), copies=copies,
-                    logits=0 if compiled else chunk * config.vocab_size * (4 + low_precision),
-                    head_gradient=0 if compiled else n.lm_head * (4 + (low_precision if shards > 1 else 0)),
+                    logits=logits,  # and the LM head's gradient, under TP of its V/tp rows
+                    head_gradient=0 if compiled else n.lm_head // tp * (4 + (low_precision if shards > 1 else 0)),
                     activations=tokens * activation_bytes_per_token(config, dtype, checkpointing, compiled,
-                                                                    seq_len if packed else None, on_gpu))
+                                                                    seq_len if packed else None, on_gpu, tp))
 
 
 def size(n_bytes: int) -> str:
@@ -203,7 +249,8 @@ class Check:
     before the corpus is tokenized or anything is written: refuses a model whose state alone
     exceeds the device's memory; warns when the whole estimate exceeds what is available now.
     shards: the ranks FSDP spreads the state over (1: DataParallel, DDP); under TP (train_tp.py)
-    every rank of the job, and a model TP cannot split is refused here too."""
+    every rank of the job, cfg.tp of them splitting each layer (estimate), and a model TP cannot
+    split is refused here too."""
     cfg: TrainConfig  # its --model, --seq-len, --compile, --activation-checkpointing and --pack
     micro_batch: int
     dtype: torch.dtype
@@ -218,7 +265,7 @@ class Check:
             tensor_parallel.check_model(config, cfg.tp)
         need = estimate(config, self.micro_batch, cfg.seq_len, self.dtype, self.shards,
                         on_gpu=self.device.type == "cuda", checkpointing=cfg.activation_checkpointing,
-                        compiled=cfg.compile, packed=cfg.pack)
+                        compiled=cfg.compile, packed=cfg.pack, tp=cfg.tp)
         total, available = device_memory(self.device)
         where = "GPU memory" if self.device.type == "cuda" else "CPU memory"
         held = "weights, gradients and AdamW state" + (", and the copy each save writes" if need.snapshot else "")
