@@ -321,11 +321,10 @@ def tp_measured(tmp_path_factory):
 def test_under_tp_the_activation_estimate_bounds_what_a_rank_holds_from_forward_into_backward(tp_measured, dtype):
     """train_tp.py's model at (dp 1, tp 2), its allocations recorded by torch.profiler at two
     micro-batches: what each token adds to what a rank holds once forward is done (the
-    activations, and the loss's fp32 log-softmax of the rank's V/tp logits) is at most the
-    estimate, and the estimate at most 1.5x it. Not divided by tp (the sequence-parallel norms,
-    this rank's heads and hidden units), the estimate would be 1.9x what is held."""
-    log_softmax = 4 * TP_CONFIG.vocab_size // 2
-    estimated = memory.activation_bytes_per_token(TP_CONFIG, dtype, tp=2) + log_softmax
+    activations, and the chunked loss's gradient of the hidden states) is at most the estimate,
+    and the estimate at most 1.5x it. Not divided by tp (the sequence-parallel norms, this rank's
+    heads and hidden units), the estimate would be 1.9x what is held."""
+    estimated = memory.activation_bytes_per_token(TP_CONFIG, dtype, tp=2)
     for rank, measured in tp_measured.items():
         held = measured["held", dtype]
         print(f"rank {rank}, {dtype}: {held:,.0f} bytes a token held, {estimated:,} estimated")
@@ -333,15 +332,17 @@ def test_under_tp_the_activation_estimate_bounds_what_a_rank_holds_from_forward_
 
 
 def test_under_tp_the_loss_estimate_is_what_the_loss_over_the_vocabularys_shards_holds_at_its_peak(tp_measured):
-    """vocabulary_parallel_loss computes every token's logits of this rank's V/tp entries at once:
-    what each vocabulary entry adds to the loss's peak (forward, or what forward keeps and
-    backward's peak) is what the estimate's logits add (within 1%: a few kilobytes come and go
-    beside them). The whole vocabulary's logits would be twice it at tp 2; one fp32 copy and
-    its bf16 one, a quarter."""
+    """vocabulary_parallel_loss computes a chunk of tokens' logits of this rank's V/tp entries at
+    once (here every token's: 1,024 fit one chunk), and its gradients: what each vocabulary entry
+    adds to the loss's peak (forward, or what forward keeps and backward's peak) is what the
+    estimate's logits and the head's gradient add (within 1%: a few kilobytes come and go beside
+    them). The whole vocabulary's logits would be twice it at tp 2; loss_parallel's, 6 times."""
     tokens = 1024
-    per_entry = (memory.estimate(dataclasses.replace(TP_CONFIG, vocab_size=16384), 1, tokens, torch.float32,
-                                 shards=2, tp=2).logits
-                 - memory.estimate(TP_CONFIG, 1, tokens, torch.float32, shards=2, tp=2).logits) / (16384 - 8192)
+    def loss(vocab_size):
+        estimate = memory.estimate(dataclasses.replace(TP_CONFIG, vocab_size=vocab_size, hidden_size=64), 1, tokens,
+                                   torch.float32, shards=2, tp=2)
+        return estimate.logits + estimate.head_gradient
+    per_entry = (loss(16384) - loss(8192)) / (16384 - 8192)
     for rank, measured in tp_measured.items():
         print(f"rank {rank}: the loss's peak grows {measured['loss_per_entry']:,.0f} bytes a vocabulary entry, "
               f"{per_entry:,.0f} estimated")

@@ -37,10 +37,9 @@ Per process, in bytes:
   over the world / tp groups; the norms' gains whole on every TP rank. The residual stream and
   the norms' inputs and outputs 1/tp (sequence-parallel: (B, T/tp, C)); the inputs of
   attention and of the MLP whole (gathered along the sequence); q, k, v, attention's output
-  and the MLP's hidden units 1/tp (each rank its heads, its hidden units). The loss is not
-  chunked: loss_parallel's cross-entropy over each rank's (tokens, V/tp) logits holds, at the
-  peak of its backward, six fp32 tensors of that size (LOSS_PARALLEL_LOGITS). FSDP gathers
-  1/tp of each group. tests/test_memory.py measures these on 2 gloo ranks.
+  and the MLP's hidden units 1/tp (each rank its heads, its hidden units). The loss is the
+  chunked loss over each rank's V/tp rows of the vocabulary: one chunk of (tokens, V/tp) logits
+  at a time. FSDP gathers 1/tp of each group. tests/test_memory.py measures these on 2 gloo ranks.
 """
 
 import collections
@@ -59,12 +58,6 @@ from training.config import TrainConfig
 from training.errors import UsageError, warn
 
 BYTES_PER_PARAMETER = 4 + 4 + 8  # fp32 weight, its gradient, AdamW's exp_avg and exp_avg_sq
-# Tensor parallelism's loss (tensor_parallel.vocabulary_parallel_loss), in fp32 (tokens, V/tp)
-# tensors a rank holds at once: the log-softmax kept from forward, and at the peak of backward
-# five more (loss_parallel's nll_loss backward makes the softmax, the one-hot targets and
-# their difference; the log-softmax's backward a copy). Measured on 2 gloo ranks, fp32 and
-# bf16 alike (the compute-dtype logits are freed by then): tests/test_memory.py.
-LOSS_PARALLEL_LOGITS = 6
 
 
 @dataclass
@@ -75,7 +68,7 @@ class Estimate:
     build: int  # FSDP: the largest weight, whole in fp32, as each rank draws it and keeps its part (0 otherwise)
     optimizer_temporaries: int  # AdamW's unfused step (a CPU): two of the largest weight's size
     copies: int  # weights in the compute dtype: autocast's copies, or FSDP's two gathered groups
-    logits: int  # the chunked loss's one chunk of logits, fp32 (and its compute-dtype matmul output); TP: all of them
+    logits: int  # the chunked loss's one chunk of logits, fp32 (and its compute-dtype matmul output); TP: of V/tp
     head_gradient: int  # the chunked loss's LM head gradient, made in forward
     activations: int  # saved for backward by one micro-batch
 
@@ -116,10 +109,8 @@ def activation_bytes_per_token(config: LlamaConfig, dtype: torch.dtype, checkpoi
     final_norm = 8 * C // tp + 4 + 8  # its fp32 input, output (sequence-parallel) and norm, the token ids (whole)
     if compiled:
         lm_head = (config.vocab_size + C) * dtype.itemsize + 8  # logits, input, target
-    elif tp > 1:  # the final norm's output gathered whole, in the compute dtype, for the head's weight gradient
-        lm_head = C * dtype.itemsize  # (its logits: Estimate.logits)
     else:
-        lm_head = 4 * C  # the chunked loss keeps the hidden states' gradient
+        lm_head = 4 * C  # the chunked loss keeps the hidden states' gradient (under TP: every token's, gathered)
     packing = 0
     if packed_seq_len:
         packing = 8 * config.head_dim  # each token's fp32 cos and sin (packed_attention: rows have their own)
@@ -179,11 +170,10 @@ def estimate(config: LlamaConfig, micro_batch: int, seq_len: int, dtype: torch.d
     low_precision = dtype.itemsize if dtype != torch.float32 else 0  # a bf16 copy beside the fp32 one
     if compiled:  # the plain formulation: its logits are the activations' (activation_bytes_per_token)
         logits = 0
-    elif tp > 1:  # loss_parallel, unchunked: every token's logits of this rank's V/tp entries (see the constant)
-        logits = LOSS_PARALLEL_LOGITS * 4 * tokens * (config.vocab_size // tp)
-    else:
-        chunk = min(tokens, chunked_loss.chunk_tokens(config.vocab_size, torch.device("cuda" if on_gpu else "cpu")))
-        logits = chunk * config.vocab_size * (4 + low_precision)
+    else:  # under TP, chunks of this rank's V/tp rows of the vocabulary (tensor_parallel.vocabulary_parallel_loss)
+        vocabulary = config.vocab_size // tp
+        chunk = min(tokens, chunked_loss.chunk_tokens(vocabulary, torch.device("cuda" if on_gpu else "cpu")))
+        logits = chunk * vocabulary * (4 + low_precision)
     return Estimate(parameters=n.parameters, state=BYTES_PER_PARAMETER * local_parameters // dp,
                     snapshot=0 if on_gpu else (4 + 8) * local_parameters // dp,
                     build=4 * n.largest if shards > 1 else 0,  # init_weights draws each weight whole, TP or not
