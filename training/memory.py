@@ -95,7 +95,7 @@ def activation_bytes_per_token(config: LlamaConfig, dtype: torch.dtype, checkpoi
     that every rank of the TP group computes on; 1: the whole layer on each rank."""
     C, I = config.hidden_size, config.intermediate_size
     if compiled:  # measured on a CPU (tests/test_memory.py); on an H100, the article model kept 1.03x this
-        # (train_tp.py refuses --compile: no TP share here)
+        # (compiled under TP: counted as a whole layer, an upper bound; not measured split)
         per_layer = (6 * I + 11 * C) * dtype.itemsize // 2 + 4 * C + 4 * config.num_attention_heads + 8
     else:
         # Whole on every TP rank: the inputs of q, k, v and of gate, up (autocast's copy of each,
