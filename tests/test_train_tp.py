@@ -3,6 +3,7 @@ the same global batches, at every layout of the ranks; its checkpoints resume ex
 same layout and within rounding at another, train_fsdp.py's too. (The plan itself, on two
 ranks against the whole model: test_tensor_parallel.py.)"""
 
+import pickle
 import shutil
 
 import pytest
@@ -77,6 +78,23 @@ def test_a_checkpoint_resumes_at_every_other_layout_and_in_train_fsdp_and_back(r
     from_fsdp = unfinished(runs("fsdp2_plain", "train_fsdp.py", nproc=2), tmp_path / "from-fsdp")
     run_script("train_tp.py", [*base_args(runs, from_fsdp), "--tp", "2", "--resume"], nproc=2)
     assert_same_model(from_fsdp, ddp, floor)
+
+
+def test_a_checkpoint_whose_metadata_leaves_out_a_tp_piece_is_refused_not_resumed_half_fresh(runs, tmp_path, capsys):
+    """A .metadata edited (or damaged) to name one of q_proj's two TP pieces: DCP would load the
+    half it names and leave the other as the fresh model drew it, resuming without a word (2.6e-3
+    from the uninterrupted run's weights at the end). Each tensor's pieces must cover it once:
+    one line, exit 2, the run untouched, here resumed at another layout (one process, --tp 1)."""
+    out = unfinished(tp_run(runs, "dp1_tp2"), tmp_path / "run")
+    metadata_file = out / "checkpoint-00000004" / ".metadata"
+    metadata = pickle.loads(metadata_file.read_bytes())  # (the test's own copy: safe to unpickle)
+    name = "model.base_model.layers.0.self_attn.q_proj.weight"
+    left_out = metadata.state_dict_metadata[name].chunks.pop(1)  # rows 32 to 63, TP rank 1's
+    del metadata.storage_data[next(i for i in metadata.storage_data if i.fqn == name and i.offset == left_out.offsets)]
+    metadata_file.write_bytes(pickle.dumps(metadata))
+    refused_in_process("train_tp.py", ["--dataset", str(runs.corpus), *FAST, "--resume"], out,
+                       f"{metadata_file}: base_model.layers.0.self_attn.q_proj.weight's pieces do not add up to its "
+                       "shape (64, 64): the checkpoint is damaged", capsys)
 
 
 @pytest.mark.parametrize("layout", ["dp1_tp2", "dp2_tp2"])
