@@ -147,6 +147,16 @@ def test_streamed_every_layout_trains_the_model_ddp_trains_and_resumes_at_anothe
     test_stream_training.assert_same_training(out, ddp, stream_floor)
 
 
+def test_sub_streams_that_the_data_parallel_groups_cannot_share_are_named_as_groups_not_ranks(streamed, tmp_path):
+    """4 ranks at --tp 2 read as 2 data-parallel groups, which cannot share 3 sub-streams: the
+    line counts groups, as a count of ranks ("runs at 1, 3 ranks") would send the user to 3
+    ranks, which --tp 2 refuses."""
+    refused_on_every_rank(tmp_path, 4, ["--dataset", str(streamed.shards), *test_stream_training.STREAM, "--tp", "2",
+                                        "--sub-streams", "3", "--batch-size", "6"],
+                          "2 data-parallel groups (ranks / --tp 2) cannot share the run's 3 sub-streams evenly: it "
+                          "runs and resumes at 1, 3 data-parallel groups (ranks / --tp 2)")
+
+
 # ---------------------------------------------------------------------------------------
 # What TP cannot split: one line, exit 2, before anything is written
 
@@ -161,16 +171,22 @@ def test_a_tp_that_does_not_divide_the_ranks_is_one_line(runs, tmp_path, capsys)
     (2, ["--compile"], "--compile with --tp 2: torch from 2.12 on compiles tensor-parallel layers to wrong gradients"),
     (4, ["--tp", "4"], "--tp 4: the model's 2 key/value heads do not split into 4 equal shares; choose a --tp that "
                        "divides 2"),
-], ids=["seq-len", "compile", "kv-heads"])
+    # the global batch splits over the data-parallel groups: 4 ranks at --tp 2 are 2 of them, not "world size 2"
+    (4, ["--batch-size", "5"], "--batch-size 5 is not divisible by 2 data-parallel groups (ranks / --tp 2) x "
+                               "--grad-accum 1"),
+], ids=["seq-len", "compile", "kv-heads", "batch-size"])
 def test_what_tp_cannot_split_is_one_line_on_every_rank_and_the_out_dir_untouched(runs, tmp_path, nproc, extra,
                                                                                   message):
     """Through the real torchrun: every rank exits 2 with the same line, printed once, and no
     --out-dir is made (the model's shapes are checked once the vocabulary is known, before
     anything is written)."""
+    refused_on_every_rank(tmp_path, nproc, ["--dataset", str(runs.corpus), *FAST, "--tp", "2", *extra], message)
+
+
+def refused_on_every_rank(tmp_path, nproc: int, args: list[str], message: str):
     out = tmp_path / "out"
-    args = ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), "--tp", "2", *extra]
-    proc = run_script("train_tp.py", args, nproc=nproc, wrapper="tests/inject_fault.py", check=False,
-                      env=fault_env(tmp_path, "none", step=0))
+    proc = run_script("train_tp.py", [*args, "--out-dir", str(out)], nproc=nproc, wrapper="tests/inject_fault.py",
+                      check=False, env=fault_env(tmp_path, "none", step=0))
     assert exit_codes(tmp_path) == {f"exit-rank{r}": "2" for r in range(nproc)}, proc.stderr
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(ours) == 1 and message in ours[0], proc.stderr
