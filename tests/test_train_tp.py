@@ -97,6 +97,13 @@ def test_a_checkpoint_whose_metadata_leaves_out_a_tp_piece_is_refused_not_resume
                        "shape (64, 64): the checkpoint is damaged", capsys)
 
 
+def test_train_ddp_refuses_a_train_tp_run_naming_the_scripts_that_resume_it(runs, tmp_path, capsys):
+    """A train_tp.py run is not train_fsdp.py's alone: the refusal names both, as either resumes it."""
+    out = unfinished(tp_run(runs, "dp1_tp2"), tmp_path / "run")
+    refused_in_process("train_ddp.py", ["--dataset", str(runs.corpus), *FAST, "--resume"], out,
+                       "holds sharded checkpoints of train_fsdp.py or train_tp.py: continue that run with either", capsys)
+
+
 @pytest.mark.parametrize("layout", ["dp1_tp2", "dp2_tp2"])
 def test_packed_rows_train_the_model_ddp_trains(runs, floor, layout):
     """--pack: each rank attends over its share of the heads with the windows' own mask."""
