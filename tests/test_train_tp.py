@@ -4,6 +4,7 @@ same layout and within rounding at another, train_fsdp.py's too. (The plan itsel
 ranks against the whole model: test_tensor_parallel.py.)"""
 
 import pickle
+import re
 import shutil
 
 import pytest
@@ -13,6 +14,8 @@ from test_bad_inputs import refused_in_process
 from test_failures import exit_codes, fault_env
 from conftest import (BF16, FAST, FLOOR_MULTIPLE, assert_follows_in_bf16, assert_same_model, assert_same_weights, assert_within,
                       ddp_two_ranks, metrics, run_script)
+from training import config
+from training.errors import UsageError
 
 LAYOUTS = {"dp1_tp2": (2, ["--tp", "2"]), "dp2_tp2": (4, ["--tp", "2"]), "dp2_tp1": (2, ["--tp", "1"])}
 
@@ -178,16 +181,23 @@ def test_a_tp_that_does_not_divide_the_ranks_is_one_line(runs, tmp_path, capsys)
     (2, ["--compile"], "--compile with --tp 2: torch from 2.12 on compiles tensor-parallel layers to wrong gradients"),
     (4, ["--tp", "4"], "--tp 4: the model's 2 key/value heads do not split into 4 equal shares; choose a --tp that "
                        "divides 2"),
-    # the global batch splits over the data-parallel groups: 4 ranks at --tp 2 are 2 of them, not "world size 2"
-    (4, ["--batch-size", "5"], "--batch-size 5 is not divisible by 2 data-parallel groups (ranks / --tp 2) x "
-                               "--grad-accum 1"),
-], ids=["seq-len", "compile", "kv-heads", "batch-size"])
+], ids=["seq-len", "compile", "kv-heads"])
 def test_what_tp_cannot_split_is_one_line_on_every_rank_and_the_out_dir_untouched(runs, tmp_path, nproc, extra,
                                                                                   message):
     """Through the real torchrun: every rank exits 2 with the same line, printed once, and no
     --out-dir is made (the model's shapes are checked once the vocabulary is known, before
     anything is written)."""
     refused_on_every_rank(tmp_path, nproc, ["--dataset", str(runs.corpus), *FAST, "--tp", "2", *extra], message)
+
+
+def test_a_global_batch_the_data_parallel_groups_cannot_split_counts_groups_not_ranks(runs):
+    """4 ranks at --tp 2 are 2 data-parallel groups, not "world size 2", as the line said. (In this
+    process: under torchrun this refusal comes before the ranks meet, and torchrun may end the
+    others before they record their exit.)"""
+    cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST, "--tp", "2", "--batch-size", "5"], tensor=True)
+    with pytest.raises(UsageError, match=re.escape("--batch-size 5 is not divisible by 2 data-parallel groups "
+                                                   "(ranks / --tp 2) x --grad-accum 1")):
+        config.micro_batch_size(cfg, 2)
 
 
 def refused_on_every_rank(tmp_path, nproc: int, args: list[str], message: str):
