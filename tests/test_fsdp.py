@@ -332,7 +332,8 @@ def test_compiled_fsdp_on_two_ranks_trains_the_same_model(runs, floor):
 @pytest.mark.parametrize("script, run, message", [
     ("train_fsdp.py", "dp", "holds checkpoints of train_dp.py/train_ddp.py, not sharded ones: continue that run "
                             "with train_ddp.py"),
-    ("train_ddp.py", "fsdp2", "holds sharded checkpoints of train_fsdp.py: continue that run with train_fsdp.py"),
+    ("train_ddp.py", "fsdp2", "holds sharded checkpoints of train_fsdp.py or train_tp.py: continue that run with "
+                              "either"),
     ("train_dp.py", "fsdp2", "holds sharded checkpoints of train_fsdp.py"),
 ])
 def test_a_run_of_the_other_kind_is_refused_and_left_untouched(runs, tmp_path, script, run, message, capsys):

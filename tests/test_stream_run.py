@@ -207,6 +207,7 @@ def test_the_flags_parse_and_are_refused_where_they_cannot_work(folder, tmp_path
 class Flags:
     batch_size: int = 16
     sub_streams: int | None = None
+    tp: int = 1  # train_tp.py's --tp: the refusals count data-parallel groups under it
 
 
 def test_s_is_the_flags_the_runs_or_eight_fitted_to_the_batch_the_ranks_and_the_pieces():

@@ -3,6 +3,8 @@ the same global batches, at every layout of the ranks; its checkpoints resume ex
 same layout and within rounding at another, train_fsdp.py's too. (The plan itself, on two
 ranks against the whole model: test_tensor_parallel.py.)"""
 
+import pickle
+import re
 import shutil
 
 import pytest
@@ -12,6 +14,8 @@ from test_bad_inputs import refused_in_process
 from test_failures import exit_codes, fault_env
 from conftest import (BF16, FAST, FLOOR_MULTIPLE, assert_follows_in_bf16, assert_same_model, assert_same_weights, assert_within,
                       ddp_two_ranks, metrics, run_script)
+from training import config
+from training.errors import UsageError
 
 LAYOUTS = {"dp1_tp2": (2, ["--tp", "2"]), "dp2_tp2": (4, ["--tp", "2"]), "dp2_tp1": (2, ["--tp", "1"])}
 
@@ -77,6 +81,30 @@ def test_a_checkpoint_resumes_at_every_other_layout_and_in_train_fsdp_and_back(r
     from_fsdp = unfinished(runs("fsdp2_plain", "train_fsdp.py", nproc=2), tmp_path / "from-fsdp")
     run_script("train_tp.py", [*base_args(runs, from_fsdp), "--tp", "2", "--resume"], nproc=2)
     assert_same_model(from_fsdp, ddp, floor)
+
+
+def test_a_checkpoint_whose_metadata_leaves_out_a_tp_piece_is_refused_not_resumed_half_fresh(runs, tmp_path, capsys):
+    """A .metadata edited (or damaged) to name one of q_proj's two TP pieces: DCP would load the
+    half it names and leave the other as the fresh model drew it, resuming without a word (2.6e-3
+    from the uninterrupted run's weights at the end). Each tensor's pieces must cover it once:
+    one line, exit 2, the run untouched, here resumed at another layout (one process, --tp 1)."""
+    out = unfinished(tp_run(runs, "dp1_tp2"), tmp_path / "run")
+    metadata_file = out / "checkpoint-00000004" / ".metadata"
+    metadata = pickle.loads(metadata_file.read_bytes())  # (the test's own copy: safe to unpickle)
+    name = "model.base_model.layers.0.self_attn.q_proj.weight"
+    left_out = metadata.state_dict_metadata[name].chunks.pop(1)  # rows 32 to 63, TP rank 1's
+    del metadata.storage_data[next(i for i in metadata.storage_data if i.fqn == name and i.offset == left_out.offsets)]
+    metadata_file.write_bytes(pickle.dumps(metadata))
+    refused_in_process("train_tp.py", ["--dataset", str(runs.corpus), *FAST, "--resume"], out,
+                       f"{metadata_file}: base_model.layers.0.self_attn.q_proj.weight's pieces do not add up to its "
+                       "shape (64, 64): the checkpoint is damaged", capsys)
+
+
+def test_train_ddp_refuses_a_train_tp_run_naming_the_scripts_that_resume_it(runs, tmp_path, capsys):
+    """A train_tp.py run is not train_fsdp.py's alone: the refusal names both, as either resumes it."""
+    out = unfinished(tp_run(runs, "dp1_tp2"), tmp_path / "run")
+    refused_in_process("train_ddp.py", ["--dataset", str(runs.corpus), *FAST, "--resume"], out,
+                       "holds sharded checkpoints of train_fsdp.py or train_tp.py: continue that run with either", capsys)
 
 
 @pytest.mark.parametrize("layout", ["dp1_tp2", "dp2_tp2"])
@@ -146,6 +174,16 @@ def test_streamed_every_layout_trains_the_model_ddp_trains_and_resumes_at_anothe
     test_stream_training.assert_same_training(out, ddp, stream_floor)
 
 
+def test_sub_streams_that_the_data_parallel_groups_cannot_share_are_named_as_groups_not_ranks(streamed, tmp_path):
+    """4 ranks at --tp 2 read as 2 data-parallel groups, which cannot share 3 sub-streams: the
+    line counts groups, as a count of ranks ("runs at 1, 3 ranks") would send the user to 3
+    ranks, which --tp 2 refuses."""
+    refused_on_every_rank(tmp_path, 4, ["--dataset", str(streamed.shards), *test_stream_training.STREAM, "--tp", "2",
+                                        "--sub-streams", "3", "--batch-size", "6"],
+                          "2 data-parallel groups (ranks / --tp 2) cannot share the run's 3 sub-streams evenly: it "
+                          "runs and resumes at 1, 3 data-parallel groups (ranks / --tp 2)")
+
+
 # ---------------------------------------------------------------------------------------
 # What TP cannot split: one line, exit 2, before anything is written
 
@@ -165,10 +203,23 @@ def test_what_tp_cannot_split_is_one_line_on_every_rank_and_the_out_dir_untouche
     """Through the real torchrun: every rank exits 2 with the same line, printed once, and no
     --out-dir is made (the model's shapes are checked once the vocabulary is known, before
     anything is written)."""
+    refused_on_every_rank(tmp_path, nproc, ["--dataset", str(runs.corpus), *FAST, "--tp", "2", *extra], message)
+
+
+def test_a_global_batch_the_data_parallel_groups_cannot_split_counts_groups_not_ranks(runs):
+    """4 ranks at --tp 2 are 2 data-parallel groups, not "world size 2", as the line said. (In this
+    process: under torchrun this refusal comes before the ranks meet, and torchrun may end the
+    others before they record their exit.)"""
+    cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST, "--tp", "2", "--batch-size", "5"], tensor=True)
+    with pytest.raises(UsageError, match=re.escape("--batch-size 5 is not divisible by 2 data-parallel groups "
+                                                   "(ranks / --tp 2) x --grad-accum 1")):
+        config.micro_batch_size(cfg, 2)
+
+
+def refused_on_every_rank(tmp_path, nproc: int, args: list[str], message: str):
     out = tmp_path / "out"
-    args = ["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out), "--tp", "2", *extra]
-    proc = run_script("train_tp.py", args, nproc=nproc, wrapper="tests/inject_fault.py", check=False,
-                      env=fault_env(tmp_path, "none", step=0))
+    proc = run_script("train_tp.py", [*args, "--out-dir", str(out)], nproc=nproc, wrapper="tests/inject_fault.py",
+                      check=False, env=fault_env(tmp_path, "none", step=0))
     assert exit_codes(tmp_path) == {f"exit-rank{r}": "2" for r in range(nproc)}, proc.stderr
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(ours) == 1 and message in ours[0], proc.stderr

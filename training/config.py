@@ -16,7 +16,7 @@ from model import PRESETS
 from ops import packed_attention
 from training import corpus, run_folder, weights
 from training.errors import ArgumentParser, UsageError, warn
-from training.launch import check_launch_environment
+from training.launch import check_launch_environment, data_parallel_units
 from training.stream import run as stream_run
 
 
@@ -287,10 +287,11 @@ def mesh_shape(replicas: int, world_size: int) -> tuple[tuple[int, ...], tuple[s
 
 
 def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
-    """Sequences per process and micro-step: the global batch / (world size x grad accum)."""
+    """Sequences per process and micro-step: the global batch / (world size x grad accum).
+    world_size: the ranks that read rows of their own (under TP, the data-parallel groups)."""
     if cfg.batch_size % (world_size * cfg.grad_accum):
-        raise UsageError(f"--batch-size {cfg.batch_size} is not divisible by world size {world_size} "
-                         f"x --grad-accum {cfg.grad_accum}")
+        ranks = f"world size {world_size}" if cfg.tp == 1 else f"{world_size} {data_parallel_units(cfg.tp)}"
+        raise UsageError(f"--batch-size {cfg.batch_size} is not divisible by {ranks} x --grad-accum {cfg.grad_accum}")
     return cfg.batch_size // (world_size * cfg.grad_accum)
 
 

@@ -71,6 +71,12 @@ def data_parallel(cfg) -> tuple[int, int]:
     return rank // cfg.tp, world_size // cfg.tp
 
 
+def data_parallel_units(tp: int) -> str:
+    """What a refusal calls the ranks that read rows of their own: under tensor parallelism the
+    data-parallel groups, which a user who launched world size ranks would not count otherwise."""
+    return "ranks" if tp == 1 else f"data-parallel groups (ranks / --tp {tp})"
+
+
 def nvidia_gpus() -> list[str]:
     """The NVIDIA GPUs this machine has, whether or not torch can use them: the device files
     the driver makes, one per GPU (/dev/nvidia0, /dev/nvidia1, ...)."""

@@ -50,7 +50,7 @@ def resuming(out_dir: str, resume: bool) -> bool:
 
 def load_run(out_dir: str, sharded: bool = False) -> dict:
     """What a resumed run continues: its newest readable checkpoint, and a metrics.jsonl
-    that can be read (the run appends to it). sharded: train_fsdp.py's checkpoints."""
+    that can be read (the run appends to it). sharded: train_fsdp.py's and train_tp.py's checkpoints."""
     read_metrics(Path(out_dir) / METRICS)
     out = Path(out_dir)
     has_sharded = bool(sharded_checkpoints(out))
@@ -58,7 +58,8 @@ def load_run(out_dir: str, sharded: bool = False) -> dict:
         raise UsageError(f"{out} holds checkpoints of train_dp.py/train_ddp.py, not sharded ones: continue that "
                          "run with train_ddp.py (or train_dp.py)")
     if not sharded and has_sharded:
-        raise UsageError(f"{out} holds sharded checkpoints of train_fsdp.py: continue that run with train_fsdp.py")
+        raise UsageError(f"{out} holds sharded checkpoints of train_fsdp.py or train_tp.py: continue that run with "
+                         "either (each resumes the other's)")
     if sharded:
         from training import sharded_checkpoint  # as in from_checkpoint(): only train_fsdp.py needs DCP
         return sharded_checkpoint.load_latest_checkpoint(out)

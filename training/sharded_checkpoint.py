@@ -16,6 +16,7 @@ saved by N ranks resumes on any number of ranks.
 
 import datetime
 import io
+import math
 import os
 import pickle
 import shutil
@@ -28,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
@@ -80,6 +81,12 @@ def read_metadata(path: Path) -> Metadata:
         if fqn.startswith("model.") and isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
             raise UsageError(f"{path / '.metadata'}: {fqn.removeprefix('model.')} is saved as {dtype}, not floating "
                              "point: the checkpoint is damaged")
+    for fqn, meta in metadata.state_dict_metadata.items():  # a piece left out loads nothing, in silence
+        if isinstance(meta, BytesStorageMetadata):
+            continue
+        if problem := _pieces_problem(fqn, meta, metadata.storage_data):
+            raise UsageError(f"{path / '.metadata'}: {fqn.removeprefix('model.')}'s pieces {problem}: the checkpoint "
+                             "is damaged")
     sizes = {}
     for info in metadata.storage_data.values():
         name = getattr(info, "relative_path", None)
@@ -105,6 +112,36 @@ def read_metadata(path: Path) -> Metadata:
             except Exception as e:
                 raise UsageError(f"cannot load {index.fqn} from {path / info.relative_path}: {first_line(e)}") from None
     return metadata
+
+
+def _pieces_problem(fqn: str, meta, storage_data: dict) -> str | None:
+    """What is wrong with the pieces .metadata names for one tensor (a rank's shard each, cut by
+    FSDP and TP), or None: each within the tensor, with bytes in a shard file, and together
+    covering each element once. DCP loads what the pieces cover and leaves the rest of each
+    tensor as it was: a piece left out would resume with those elements as the fresh model
+    drew them, without a word. (Pieces sorted by their first offset: only those still open
+    along the first dimension can overlap the next.)"""
+    size, chunks = getattr(meta, "size", None), getattr(meta, "chunks", None)
+    if not (isinstance(size, torch.Size) and isinstance(chunks, list)):
+        return "are not described as a tensor's"
+    boxes = []
+    for chunk in chunks:
+        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        if not (isinstance(offsets, torch.Size) and isinstance(sizes, torch.Size) and len(offsets) == len(sizes) ==
+                len(size) and all(0 <= o and 0 <= n and o + n <= whole for o, n, whole in zip(offsets, sizes, size))):
+            return f"include one outside its shape {tuple(size)}"
+        if MetadataIndex(fqn, offsets) not in storage_data:
+            return f"include one at {tuple(offsets)} whose bytes no shard file holds"
+        boxes.append((tuple(offsets), tuple(sizes)))
+    if sum(math.prod(n) for _, n in boxes) != math.prod(size):
+        return f"do not add up to its shape {tuple(size)}"
+    open_boxes = []
+    for offsets, sizes in sorted(boxes):
+        open_boxes = [(o, n) for o, n in open_boxes if not size or o[0] + n[0] > offsets[0]]
+        if any(all(a < b + m and b < a + k for a, k, b, m in zip(offsets, sizes, o, n)) for o, n in open_boxes):
+            return "overlap"
+        open_boxes.append((offsets, sizes))
+    return None
 
 
 class _SafeReader(FileSystemReader):

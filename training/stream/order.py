@@ -227,14 +227,15 @@ def check_read(cursor: Cursor, read: Read) -> None:
             break
 
 
-def owned(streams: int, world_size: int, rank: int) -> list[int]:
+def owned(streams: int, world_size: int, rank: int, units: str = "ranks") -> list[int]:
     """The sub-streams rank `rank` of `world_size` produces: s with s % world_size == rank, so
     that every rank produces as many and the ranks' rows of a batch interleave as
-    DistributedSampler's do (the module's docstring)."""
+    DistributedSampler's do (the module's docstring). units: what a refusal calls the ranks
+    (launch.data_parallel_units: under TP, data-parallel groups)."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} of {world_size}")
     if streams % world_size:
         sizes = [str(w) for w in range(1, streams + 1) if streams % w == 0]
-        raise UsageError(f"{world_size} ranks cannot share the run's {streams} sub-streams evenly: "
-                         f"it runs and resumes at {', '.join(sizes)} ranks")
+        raise UsageError(f"{world_size} {units} cannot share the run's {streams} sub-streams evenly: "
+                         f"it runs and resumes at {', '.join(sizes)} {units}")
     return list(range(rank, streams, world_size))

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from tokenizers import Tokenizer
 
 import data
-from training import corpus
+from training import corpus, launch
 from training.errors import UsageError
 from training.stream import order, shards
 from training.stream.holdout import HeldOut
@@ -112,10 +112,10 @@ def sub_streams(cfg, world_size: int, piece_sizes: list[int], recorded: dict | N
         fitting = [s for s in range(world_size, most + 1, world_size) if cfg.batch_size % s == 0]
         if not fitting:  # fewer pieces than ranks: S would leave a rank without data
             raise UsageError(f"the corpus has {holding} pieces that hold training data (a parquet row group or a "
-                             f".jsonl file each), fewer than the {world_size} ranks: each reads whole pieces. Split "
-                             "its files, or train on fewer ranks")
+                             f".jsonl file each), fewer than the {world_size} {launch.data_parallel_units(cfg.tp)}: "
+                             "each reads whole pieces. Split its files, or train on fewer ranks")
         streams = fitting[-1]
-    order.owned(streams, world_size, 0)  # a world size that does not divide S: one line
+    order.owned(streams, world_size, 0, launch.data_parallel_units(cfg.tp))  # a world size not dividing S: one line
     return streams
 
 
