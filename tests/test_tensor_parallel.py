@@ -112,13 +112,14 @@ def test_the_model_split_over_two_ranks_computes_the_whole_models_loss_and_gradi
 
 
 @pytest.mark.parametrize("change, tp, said", [
-    ({}, 3, "--tp 3: the model's 4 attention heads do not split into 3 equal shares; choose a --tp that divides 4"),
+    ({}, 3, "--tp 3: the model's 4 attention heads do not split into 3 equal shares; choose a --tp that divides 4, "
+            "or another --model"),
     ({"num_attention_heads": 8}, 4, "--tp 4: the model's 2 key/value heads do not split into 4 equal shares; "
-                                     "choose a --tp that divides 2"),
+                                     "choose a --tp that divides 2, or another --model"),
     ({"intermediate_size": 129}, 2, "--tp 2: the model's 129 MLP hidden units (intermediate_size) do not split "
-                                    "into 2 equal shares; choose a --tp that divides 129"),
-    ({"vocab_size": 97}, 2, "--tp 2: the model's 97 vocabulary entries (--vocab-size) do not split into 2 equal "
-                            "shares; choose a --tp that divides 97"),
+                                    "into 2 equal shares; choose a --tp that divides 129, or another --model"),
+    ({"vocab_size": 97}, 2, "--tp 2: the model's 97 vocabulary entries do not split into 2 equal "
+                            "shares; choose a --tp that divides 97, or a --vocab-size that 2 divides"),
 ])
 def test_a_model_tp_cannot_split_is_one_line_naming_what(change, tp, said):
     """torch's own words for n_kv_heads 2 at TP 4: "shape '[2, 16, -1, 16]' is invalid"."""

@@ -196,11 +196,11 @@ def test_a_tp_that_does_not_divide_the_ranks_is_one_line(runs, tmp_path, capsys)
 @pytest.mark.parametrize("nproc, extra, message", [
     (2, ["--seq-len", "33"], "--tp 2: --seq-len 33 does not split into 2 equal parts"),
     (4, ["--tp", "4"], "--tp 4: the model's 2 key/value heads do not split into 4 equal shares; choose a --tp that "
-                       "divides 2"),
+                       "divides 2, or another --model"),
 ], ids=["seq-len", "kv-heads"])
 def test_what_tp_cannot_split_is_one_line_on_every_rank_and_the_out_dir_untouched(runs, tmp_path, nproc, extra,
                                                                                   message):
-    """Through the real torchrun: every rank exits 2 with the same line, printed once, and no
+    """Through the real torchrun: the ranks exit 2 with the same line, printed once, and no
     --out-dir is made (the model's shapes are checked once the vocabulary is known, before
     anything is written)."""
     refused_on_every_rank(tmp_path, nproc, ["--dataset", str(runs.corpus), *FAST, "--tp", "2", *extra], message)
@@ -217,10 +217,13 @@ def test_a_global_batch_the_data_parallel_groups_cannot_split_counts_groups_not_
 
 
 def refused_on_every_rank(tmp_path, nproc: int, args: list[str], message: str):
+    """Every rank that recorded its end exited 2 (a refusal before the ranks meet may see torchrun
+    end the others first, once one has exited), and at least one did; the line printed once."""
     out = tmp_path / "out"
     proc = run_script("train_tp.py", [*args, "--out-dir", str(out)], nproc=nproc, wrapper="tests/inject_fault.py",
                       check=False, env=fault_env(tmp_path, "none", step=0))
-    assert exit_codes(tmp_path) == {f"exit-rank{r}": "2" for r in range(nproc)}, proc.stderr
+    ended = exit_codes(tmp_path)
+    assert ended and set(ended.values()) == {"2"}, proc.stderr
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(ours) == 1 and message in ours[0], proc.stderr
     assert not out.exists()

@@ -51,13 +51,13 @@ def check_model(config: LlamaConfig, tp: int) -> None:
     """What --tp cannot split in the model, one line, once the vocabulary is known (memory.Check)
     and before anything is written: whole heads on each rank (query and key/value), and
     matrices whose split dimension divides."""
-    for count, name in ((config.num_attention_heads, "attention heads"),
-                        (config.num_key_value_heads, "key/value heads"),
-                        (config.intermediate_size, "MLP hidden units (intermediate_size)"),
-                        (config.vocab_size, "vocabulary entries (--vocab-size)")):
+    for count, name, other in ((config.num_attention_heads, "attention heads", "another --model"),
+                               (config.num_key_value_heads, "key/value heads", "another --model"),
+                               (config.intermediate_size, "MLP hidden units (intermediate_size)", "another --model"),
+                               (config.vocab_size, "vocabulary entries", f"a --vocab-size that {tp} divides")):
         if count % tp:
             raise UsageError(f"--tp {tp}: the model's {count} {name} do not split into {tp} equal shares; "
-                             f"choose a --tp that divides {count}")
+                             f"choose a --tp that divides {count}, or {other}")
 
 
 def parallelize(model: LlamaForPretraining, tp_mesh: DeviceMesh) -> LlamaForPretraining:
