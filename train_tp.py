@@ -69,7 +69,7 @@ def main():
     # alone; each whole weight is drawn as one process draws it, and each rank keeps its shard.
     # float32, not dtype: under FSDP, MixedPrecisionPolicy (in shard) sets the compute dtype, not autocast
     raw_model = build.model(cfg, tokenizer.get_vocab_size(), torch.float32, device="meta")
-    if cfg.compile:  # DDP: each layer and the LM head (with its loss) apart: see docs/ddp.md (FSDP: before sharding)
+    if cfg.compile:  # each layer and the LM head apart (docs/ddp.md), before TP's plan: its hooks compile inside them
         for block in [*raw_model.base_model.layers, raw_model.lm_head]:
             block.compile()  # in place: the state_dict keeps its keys (no `_orig_mod.` prefix)
     if cfg.tp > 1:  # TP first: each layer's matrices split over "tp", then their shares sharded over "dp"

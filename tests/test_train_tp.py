@@ -114,7 +114,7 @@ def test_packed_rows_train_the_model_ddp_trains(runs, floor, layout):
 
 
 def test_activation_checkpointing_recomputes_the_split_layers_to_the_same_model(runs, floor):
-    assert_same_model(tp_run(runs, "dp2_tp2", "--activation-checkpointing"), ddp_two_ranks(runs), floor)
+    assert_same_model(tp_run(runs, "dp1_tp2", "--activation-checkpointing"), ddp_two_ranks(runs), floor)
 
 
 @pytest.mark.compile
@@ -172,6 +172,20 @@ def test_streamed_every_layout_trains_the_model_ddp_trains_and_resumes_at_anothe
     run_script("train_tp.py", test_stream_training.args(streamed, out, "--tp", "2", "--stop-at-step", "10"), nproc=4)
     run_script("train_tp.py", test_stream_training.args(streamed, out, "--tp", "2", "--resume"), nproc=2)
     test_stream_training.assert_same_training(out, ddp, stream_floor)
+
+
+def test_streamed_and_stopped_it_resumes_bitwise_at_the_same_layout_and_within_the_floor_in_train_fsdp(
+        streamed, tmp_path, stream_floor):
+    """(dp 1, tp 2) stopped at step 10 (its sub-streams' positions in train_state.pt): resumed at
+    (1, 2) it ends bitwise where the uninterrupted run ends; resumed by train_fsdp.py on 2 ranks,
+    each rank then owning sub-streams of its own, within the floor."""
+    reference = streamed("tp_dp1_tp2", "train_tp.py", ["--tp", "2"], nproc=2)
+    stopped = streamed("tp_dp1_tp2_stop10", "train_tp.py", ["--tp", "2", "--stop-at-step", "10"], nproc=2)
+    same, fsdp = streamed.copy(stopped, tmp_path / "same"), streamed.copy(stopped, tmp_path / "fsdp")
+    run_script("train_tp.py", test_stream_training.args(streamed, same, "--tp", "2", "--resume"), nproc=2)
+    test_stream_training.assert_bitwise(same, reference)
+    run_script("train_fsdp.py", test_stream_training.args(streamed, fsdp, "--resume"), nproc=2)
+    test_stream_training.assert_same_training(fsdp, reference, stream_floor)
 
 
 def test_sub_streams_that_the_data_parallel_groups_cannot_share_are_named_as_groups_not_ranks(streamed, tmp_path):
