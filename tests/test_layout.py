@@ -133,3 +133,12 @@ def test_the_readme_tree_has_a_line_for_every_file():
                        and "/" not in entry[len(folder) + 1:]}
         assert on_disk == listed_here, folder
     assert LESSON <= set(listed)
+
+
+def test_the_tp_rung_is_a_small_diff_over_fsdp_and_the_readme_gives_its_size():
+    """`diff train_fsdp.py train_tp.py` teaches the fourth rung alone: at most 90 changed lines
+    (issue #66's bound), the figure the README's rung section gives."""
+    shown = subprocess.run(["diff", "train_fsdp.py", "train_tp.py"], cwd=REPO, capture_output=True, text=True).stdout
+    changed = sum(line.startswith(("<", ">")) for line in shown.splitlines())
+    assert changed <= 90
+    assert f"`diff train_fsdp.py train_tp.py` ({changed} changed lines)" in (REPO / "README.md").read_text()
