@@ -160,14 +160,19 @@ def stream_floor(streamed):
     return test_stream_training.stream_floor.__wrapped__(streamed)
 
 
-def test_streamed_every_layout_trains_the_model_ddp_trains_and_resumes_at_another(streamed, tmp_path, stream_floor):
+@pytest.mark.parametrize("layout", ["dp1_tp2", "dp2_tp2"])
+def test_streamed_every_layout_trains_the_model_ddp_trains(streamed, stream_floor, layout):
     """(dp 1, tp 2) and (dp 2, tp 2) stream the model DDP on 2 ranks streams, within the floor
-    (2 and 4 sub-streams a group); (dp 2, tp 2) stopped at step 10 resumes at (dp 1, tp 2) to
-    the end, every sub-stream taken from where the checkpoint left it."""
+    (2 and 4 sub-streams a group)."""
+    nproc = LAYOUTS[layout][0]
+    tp = streamed(f"tp_{layout}", "train_tp.py", ["--tp", "2"], nproc=nproc)
+    test_stream_training.assert_same_training(tp, streamed("ddp2", "train_ddp.py", nproc=2), stream_floor)
+
+
+def test_streamed_and_stopped_it_resumes_at_another_layout(streamed, tmp_path, stream_floor):
+    """(dp 2, tp 2) stopped at step 10 resumes at (dp 1, tp 2) to the end, every sub-stream taken
+    from where the checkpoint left it: DDP's model on 2 ranks, within the floor."""
     ddp = streamed("ddp2", "train_ddp.py", nproc=2)
-    for name, nproc in (("tp_dp1_tp2", 2), ("tp_dp2_tp2", 4)):
-        test_stream_training.assert_same_training(streamed(name, "train_tp.py", ["--tp", "2"], nproc=nproc), ddp,
-                                                  stream_floor)
     out = tmp_path / "run"
     run_script("train_tp.py", test_stream_training.args(streamed, out, "--tp", "2", "--stop-at-step", "10"), nproc=4)
     run_script("train_tp.py", test_stream_training.args(streamed, out, "--tp", "2", "--resume"), nproc=2)
