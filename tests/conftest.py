@@ -103,7 +103,13 @@ def exclusive(lock: Path):
     bounded by pytest-timeout, like the work it waits for)."""
     with open(lock, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
-        yield
+        try:
+            yield
+        finally:
+            # unlocked, not only closed: a process forked while we held it (a streamed run's loader
+            # worker, trained in this process, that outlives the run) shares the lock until it
+            # exits, and the next test to ask for it here would wait forever (seen under xdist)
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="module")
