@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))  # the repository root, from any folder
 from benchmarks import step_rows  # noqa: E402
 from benchmarks.bench import free_port  # noqa: E402
 from benchmarks.step_rows import BASELINE, FSDP  # noqa: E402
-from model import PRESETS  # noqa: E402
+from model import PRESETS, LlamaConfig  # noqa: E402
 from training import build, config, files, launch, metrics, run_folder, stopping  # noqa: E402
 from training.errors import ArgumentParser, UsageError, at_least, first_line, path_argument  # noqa: E402
 
@@ -223,10 +223,7 @@ def past_one_gpu(args, out: Path, layouts: dict, started: float):
               "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--pack", "--max-steps",
               str(steps), "--warmup-steps", "1", "--log-every", "1", "--eval-every", str(steps), "--save-every",
               str(steps), "--device", args.device, *(["--compile"] if args.compile else [])]
-    # the largest TP degree the ranks and the model allow (the article model's 3 key/value heads: none)
-    shape = PRESETS[args.model]
-    tp = max(d for d in range(1, args.ranks + 1) if args.ranks % d == 0 and args.seq_len % d == 0 and all(
-        shape[k] % d == 0 for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")))
+    tp = largest_tp(args, layouts["vocab_size"])
     for name, script, extra in ((f"FSDP over {args.ranks}", "train_fsdp.py", []),
                                 (f"TP {tp} + FSDP", "train_tp.py", ["--tp", str(tp)])):
         if tp == 1 and script == "train_tp.py":
@@ -245,7 +242,7 @@ def past_one_gpu(args, out: Path, layouts: dict, started: float):
             said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
             yield name, {"error": said[0] if said else f"exit status {proc.returncode} (its stderr: {run}.log)"}
             continue
-        rows = [row for row in run_folder_metrics(run) if "loss" in row]
+        rows = [row for row in metrics.read_metrics(run / run_folder.METRICS) if "loss" in row]
         timed = rows[args.warmup:]
         yield name, {"tokens_per_s": sum(r["tokens_per_s_nonpad"] for r in timed) / len(timed),
                      "mfu": sum(r["mfu"] for r in timed) / len(timed) if "mfu" in timed[0] else None,
@@ -253,8 +250,20 @@ def past_one_gpu(args, out: Path, layouts: dict, started: float):
                      "steps": len(rows)}
 
 
-def run_folder_metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+def largest_tp(args, vocab_size: int) -> int:
+    """The largest TP degree that --ranks and the model allow, by train_tp.py's own checks (the
+    article model's 3 key/value heads: none, 1)."""
+    from training import tensor_parallel  # (torch's TP modules: imported where a report goes past one GPU)
+    config = LlamaConfig(vocab_size=vocab_size, **PRESETS[args.model])
+
+    def splits(tp: int) -> bool:
+        try:
+            tensor_parallel.check_layout(tp, args.seq_len, args.ranks)
+            tensor_parallel.check_model(config, tp)
+        except UsageError:
+            return False
+        return True
+    return max(tp for tp in range(1, args.ranks + 1) if splits(tp))
 
 
 def write_report(out: Path, report: dict):

@@ -24,7 +24,7 @@ from training import corpus
 from training.config import TrainConfig
 from training.errors import UsageError, first_line, warn
 from training.files import atomic_save, raise_if_disk_full
-from training.launch import usable_cores
+from training.launch import data_parallel, usable_cores
 from training.run_folder import CONFIG, METRICS, MODEL, TENSORBOARD, TOKENIZER, WANDB_RUN
 
 # Dense bf16 tensor-core peaks in TFLOP/s (with fp32 accumulation, without 2:4 sparsity, whose
@@ -367,7 +367,7 @@ def describe(model: LlamaForPretraining, train_ds, steps_per_epoch: int, total_s
     ddp = torch.distributed.is_initialized()
     ranks = f" x {torch.distributed.get_world_size()} ranks" if ddp else ""
     if cfg.tp > 1:
-        groups = torch.distributed.get_world_size() // cfg.tp
+        groups = data_parallel(cfg)[1]
         ranks = f" x {groups} data-parallel group{'s' * (groups > 1)} of {cfg.tp} tensor-parallel ranks"
     backend = f" ({torch.distributed.get_backend()})" if ddp else ""
     facts = train_ds.facts
