@@ -19,6 +19,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import datasets
 import numpy as np
@@ -52,6 +53,22 @@ def framing(pack: bool) -> str:
     return PACKED_FRAMING if pack else FRAMING
 
 
+class SpecialIds(NamedTuple):
+    bos: int  # begins every document
+    eos: int  # ends it: the model learns where a document stops
+    pad: int  # fills a row after its last window (its targets are ignored, whatever the id)
+
+
+def special_ids(tokenizer: Tokenizer, config=None) -> SpecialIds:
+    """The ids documents are framed with and rows padded with: an imported model's own, where its
+    config (a model.LlamaConfig) names them (Llama 3's <|begin_of_text|> and <|end_of_text|>:
+    the framing it was pretrained on), else our tokenizer's [BOT], [EOT], [PAD]."""
+    if config is not None and config.bos_token_id is not None:  # no pad token (Llama 3): any id pads
+        pad = config.eos_token_id if config.pad_token_id is None else config.pad_token_id
+        return SpecialIds(config.bos_token_id, config.eos_token_id, pad)
+    return SpecialIds(*(tokenizer.token_to_id(token) for token in (BOT, EOT, PAD)))
+
+
 # ---------------------------------------------------------------------------------------
 # Tokenizer
 
@@ -80,7 +97,9 @@ def train_tokenizer(texts: datasets.Dataset | datasets.IterableDataset, vocab_si
     return tokenizer
 
 
-def load_tokenizer(path: str) -> Tokenizer:
+def load_tokenizer(path: str, config=None) -> Tokenizer:
+    """A tokenizer.json, checked: ids from 0 up without gaps, and the special tokens there that
+    the model (config: its model.LlamaConfig) frames documents with: ours, or an imported model's."""
     text = corpus.read_text(path, "tokenizer", 2**30)  # a regular file (of at most a GiB: 50,000 tokens take 4 MB)
     try:
         tokenizer = Tokenizer.from_str(text)
@@ -92,9 +111,12 @@ def load_tokenizer(path: str) -> Tokenizer:
     if largest >= tokenizer.get_vocab_size():
         raise UsageError(f"tokenizer {path} has {tokenizer.get_vocab_size():,} tokens but ids up to {largest:,}: "
                          "a tokenizer whose ids have gaps is not supported (ids must run from 0 to its size - 1)")
-    missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
+    if config is not None and config.bos_token_id is not None:  # an imported model's ids
+        missing = [t for t in (config.bos_token_id, config.eos_token_id) if tokenizer.id_to_token(t) is None]
+    else:
+        missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
     if missing:
-        raise UsageError(f"tokenizer {path} lacks the special tokens {', '.join(missing)}")
+        raise UsageError(f"tokenizer {path} lacks the special tokens {', '.join(map(str, missing))}")
     model = json.loads(tokenizer.to_str())["model"]
     unknown = model.get("unk_token")
     if model["type"] in ("WordLevel", "WordPiece") and tokenizer.token_to_id(unknown or "") is None:
@@ -179,27 +201,27 @@ def text_only(tokenizer: Tokenizer) -> Tokenizer:
     return tokenizer
 
 
-def document_windows(text: str, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool,
-                     ids: list[int] | None = None) -> list[np.ndarray]:
-    """One document framed, [BOT] + ids + [EOT], and cut into windows of seq_len + 1 tokens
+def document_windows(text: str, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool, ids: list[int] | None = None,
+                     specials: SpecialIds | None = None) -> list[np.ndarray]:
+    """One document framed, [BOT] + ids + [EOT] (specials: an imported model's ids instead), and cut into windows of seq_len + 1 tokens
     that overlap by one: every token after [BOT] is a target in exactly one window, and only
     the last window is short (padded later, as a short document's one window is). A document
     longer than 2 x PIECE_CHARS is encoded in pieces cut where no token changes (see clip_text;
     with a tokenizer that could change one there, exact_cuts is False and the caller has
     warned), so its memory stays that of a piece. `ids`: a short document's ids, where the
     caller encoded it already (_encode). `tokenizer` encodes special tokens as text (text_only)."""
-    bot, eot = tokenizer.token_to_id(BOT), tokenizer.token_to_id(EOT)
     if ids is None:  # pieces, 16 at a time: each group's encodings freed before the next
         cut = (iter([text]) if len(text) <= 2 * PIECE_CHARS
                else pieces(text, PIECE_CHARS, tokenizer.pre_tokenizer if exact_cuts else None))
         groups = iter(lambda: list(itertools.islice(cut, 16)), [])
         ids = np.concatenate([np.array(e.ids, dtype=np.int64) for group in groups
                               for e in tokenizer.encode_batch_fast(group, add_special_tokens=False)])
-    framed = np.concatenate([[bot], np.asarray(ids, dtype=np.int64), [eot]])
+    bos, eos, _ = specials or special_ids(tokenizer)
+    framed = np.concatenate([[bos], np.asarray(ids, dtype=np.int64), [eos]])
     return [framed[start:start + seq_len + 1] for start in range(0, len(framed) - 1, seq_len)]
 
 
-def _encode(batch, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool):
+def _encode(batch, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool, specials: SpecialIds | None = None):
     """Every document of a batch cut into its windows (document_windows), the short ones
     encoded together: on all of the tokenizer's threads where tokenize runs one process."""
     tokenizer.encode_special_tokens = True  # text is text (see text_only); lost when pickled to a worker
@@ -208,16 +230,19 @@ def _encode(batch, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool):
     ids = dict(zip(short, (e.ids for e in tokenizer.encode_batch_fast([texts[i] for i in short],
                                                                         add_special_tokens=False))))
     return {"input_ids": [window for i, text in enumerate(texts)
-                          for window in document_windows(text, tokenizer, seq_len, exact_cuts, ids.pop(i, None))]}
+                          for window in document_windows(text, tokenizer, seq_len, exact_cuts, ids.pop(i, None),
+                                                         specials)]}
 
 
-def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int) -> datasets.Dataset:
+def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int,
+             specials: SpecialIds | None = None) -> datasets.Dataset:
     """Frame every document and cut it into windows of seq_len + 1 tokens, once: `datasets`
     caches the result on disk, under a key of everything that decides it (the documents, the
     tokenizer and its library's version, seq_len, this file's encoding code and constants),
     and what the cache gives back is checked before it is used (caches.cached_map: each
     window 2 to seq_len + 1 tokens). Large corpora are split over one process per core, each
     encoding with one thread."""
+    specials = specials or special_ids(tokenizer)  # ours, unless an imported model's are given
     tokenizer = text_only(tokenizer)
     exact_cuts = clip_is_exact(tokenizer)
     if not exact_cuts and _longest(texts) > 2 * PIECE_CHARS:
@@ -228,13 +253,13 @@ def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int) -> dat
     # token ids in the narrowest type that holds them: 2 bytes each below 65,536 (8 as Python ints)
     ids = datasets.Value("uint16" if tokenizer.get_vocab_size() <= 2**16 else "uint32")
     key = datasets.fingerprint.Hasher.hash([texts._fingerprint, tokenizer.to_str(), tokenizers.__version__, seq_len,
-                                            ENCODING_CODE, PIECE_CHARS, _CUT.pattern])
+                                            ENCODING_CODE, PIECE_CHARS, _CUT.pattern, *specials[:2]])
     with tokenizer_threads(1 if num_proc > 1 else None):
         return caches.cached_map(
             texts, key, "the cached windows", "tokenizing the corpus again",
             lambda windows: caches.wrong_windows(window_targets(windows), seq_len),
             function=_encode, batched=True, remove_columns=["text"], num_proc=num_proc if num_proc > 1 else None,
-            fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "exact_cuts": exact_cuts},
+            fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "exact_cuts": exact_cuts, "specials": specials},
             features=datasets.Features({"input_ids": datasets.Sequence(ids)}), desc="tokenizing")
 
 

@@ -4,7 +4,7 @@ Parameter names follow the usual Llama layout (`base_model.layers.0.self_attn.q_
 so a checkpoint maps one to one onto other Llama tooling.
 
 Shapes used in the comments: B batch, T sequence length, C hidden size, H query heads,
-K key/value heads, D head dim (C // H), V vocabulary.
+K key/value heads, D head dim (C // H unless the config says), V vocabulary.
 """
 
 import math
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ops import chunked_loss, fused_projections, packed_attention
+from ops.kv_cache import KVCache
 from ops.chunked_loss import IGNORE_INDEX
 
 
@@ -30,41 +31,48 @@ class LlamaConfig:
     num_key_value_heads: int = 3
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Llama 3's RoPE frequency scaling: {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"} (llama3_inv_freq); None: plain RoPE
+    rope_scaling: dict | None = None
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads; a config may set another
+    tie_word_embeddings: bool = False  # the LM head reads out with the input embedding's matrix
+    # The tokens documents are framed with, bos + text + eos, and rows padded with: an imported
+    # model's own (training/hf_import.py). None: our tokenizer's [BOT], [EOT], [PAD] (data.py).
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
     # The sequence length it was trained at (the run's --seq-len): positions past it were never
     # seen, though RoPE reaches to max_position_embeddings. Not architecture; None: unknown.
     trained_seq_len: int | None = None
 
     def __post_init__(self):
-        # A config.json read back may hold anything: every size a whole number a model can have
-        # (2**31: an embedding's index), the two constants positive and finite
-        for name in ("vocab_size", "max_position_embeddings", "hidden_size", "intermediate_size",
-                     "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**31:
-                raise ValueError(f"{name} must be a positive integer below 2**31, got {str(value)[:40]}")
-        if self.max_position_embeddings > 2**20:  # RoPE's tables hold them all, 1M positions and more a GB
-            raise ValueError(f"max_position_embeddings must be at most 2**20, got {self.max_position_embeddings}")
-        for name in ("rms_norm_eps", "rope_theta"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a positive number, got {str(value)[:40]}")
-        if self.trained_seq_len is not None and not (isinstance(self.trained_seq_len, int)
-                                                     and 1 <= self.trained_seq_len <= self.max_position_embeddings):
-            raise ValueError(f"trained_seq_len must be a positive integer up to max_position_embeddings, "
-                             f"got {self.trained_seq_len!r}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        # (A config read back from a file is checked before it gets here: training/model_config.py)
+        if self.head_dim is None:  # the usual Llama: the query heads split the hidden size
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError("hidden_size must be divisible by num_attention_heads")
+            self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
     @property
     def trained_context(self) -> int:
         """The longest input the model handles as trained: trained_seq_len where it is known."""
         return self.trained_seq_len or self.max_position_embeddings
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3's RoPE frequency scaling (Llama 3.1 and later): the frequencies whose wavelength
+    exceeds the original context (its positions' low frequencies) slowed by `factor`, the short
+    wavelengths kept, the ones between blended smoothly, so the model reads a context `factor`
+    times longer than it was pretrained at with its high frequencies unchanged. Meta's formula."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    between = ~(wavelen < context / high) * ~(wavelen > context / low)
+    return torch.where(between, blended, scaled)
 
 
 # `article`: the article's full-size model (README.md names it) (about 180M parameters with a 50K vocabulary).
@@ -122,6 +130,8 @@ class LlamaRotaryEmbedding(nn.Module):
         on the meta device (shapes only) is given real, uninitialized memory."""
         d = self.config.head_dim
         inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        if self.config.rope_scaling is not None:
+            inv_freq = llama3_inv_freq(inv_freq, self.config.rope_scaling)
         t = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)           # (max_pos, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)    # (max_pos, D): same table over both halves
@@ -149,26 +159,6 @@ def apply_rotary_pos_emb(q, k, cos, sin):
         x32 = x.float()
         return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
     return rotate(q), rotate(k)
-
-
-class KVCache:
-    """One layer's keys and values of every token so far, for generation: each new token
-    then costs one query against the cache instead of a forward over the whole prefix."""
-
-    def __init__(self, config: LlamaConfig, batch_size: int, max_len: int, device, dtype):
-        shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)  # (B, K, max_len, D)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.length = 0  # positions filled so far
-
-    def append(self, k, v):
-        """Store k, v (B, K, T, D) after the cached positions; return all of them so far."""
-        start, end = self.length, self.length + k.shape[2]
-        if end > self.k.shape[2]:
-            raise ValueError(f"KV cache holds {self.k.shape[2]} positions, {end} needed")
-        self.k[:, :, start:end], self.v[:, :, start:end] = k, v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 class LlamaAttention(nn.Module):
@@ -312,7 +302,8 @@ class LlamaForPretraining(nn.Module):
         super().__init__()
         self.config = config
         self.base_model = LlamaModel(config)
-        self.lm_head = LlamaLMHead(config.hidden_size, config.vocab_size)  # untied
+        self.lm_head = LlamaLMHead(config.hidden_size, config.vocab_size)
+        self.tie_weights()
         # The dtype matmuls run in (autocast); weights stay fp32. The model applies it itself,
         # not the caller: nn.DataParallel runs each replica in a thread of its own, and
         # autocast settings are per thread (a replica thread's default on CUDA is fp16).
@@ -333,8 +324,10 @@ class LlamaForPretraining(nn.Module):
         RMSNorm gains. The same values wherever the model lives and however it is split: a
         model built on the meta device and sharded (FSDP) takes each rank's part of each."""
         generator = torch.Generator().manual_seed(seed)
+        seen = set()  # a tied weight once: it is the embedding's
         for module in self.modules():  # a fixed order: the module tree's
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, (nn.Linear, nn.Embedding)) and id(module.weight) not in seen:
+                seen.add(id(module.weight))
                 yield module.weight, torch.empty(module.weight.shape).normal_(0.0, INIT_STD, generator=generator)
             elif isinstance(module, LlamaRMSNorm):
                 yield module.weight, torch.ones(module.weight.shape)
@@ -378,6 +371,13 @@ class LlamaForPretraining(nn.Module):
         # tensors, not views of others: FSDP warns about views returned by a sharded module
         return torch.stack([loss_sum]), torch.stack([n_tokens])
 
+    def tie_weights(self):
+        """Tied embeddings (SmolLM2, Llama 3.2 1B/3B): one (V, C) matrix both embeds the input ids
+        and reads out the logits, one parameter with one gradient and one set of AdamW moments.
+        Again after to_empty(), which gives each module a parameter of its own."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.base_model.embed_tokens.weight
+
     def enable_activation_checkpointing(self):
         """Each decoder layer recomputes its activations in backward instead of storing them."""
         for layer in self.base_model.layers:
@@ -402,6 +402,5 @@ class LlamaForPretraining(nn.Module):
         layer for the attention scores and their weighted sum (PaLM's estimate, which does
         not halve for the causal mask)."""
         c = self.config
-        matmul_weights = sum(p.numel() for name, p in self.named_parameters()
-                             if p.dim() == 2 and "embed_tokens" not in name)
+        matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))  # tied too
         return 6 * matmul_weights + 12 * c.num_hidden_layers * c.hidden_size * seq_len

@@ -39,8 +39,9 @@ def shard(model, mesh, dtype: torch.dtype, layers_kept_gathered: int = 0):
     layers = model.base_model.layers
     for i, layer in enumerate(layers):
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - layers_kept_gathered)
-    fully_shard(model.base_model.embed_tokens, mesh=mesh, mp_policy=policy)
-    fully_shard([model.base_model.norm, model.lm_head], mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    if not model.config.tie_word_embeddings:  # tied, the one matrix is gathered by the root, for both
+        fully_shard(model.base_model.embed_tokens, mesh=mesh, mp_policy=policy)
+        fully_shard([model.base_model.norm, model.lm_head], mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     return fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: starts each forward's gathers
 
 

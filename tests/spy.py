@@ -13,6 +13,8 @@ effect and was not silently ignored (every loss would still fall):
     memory_shards    the share of the state the memory check counted this rank holding (memory.Check's
                      shards: 1 for the whole model)
     evaluation_batches  the batches (forwards) of each evaluation this rank ran
+    weights_read     the elements this rank read from safetensors files (--init-from a Hugging Face
+                     model), whatever it read them with: get_tensor, or a slice of get_slice
 written to SPY_DIR/rank<RANK>.json when the run ends. `recording(spy_dir)` does it for a run
 in this process; as a script, it runs a training script (argv[1:]) with $SPY_DIR."""
 
@@ -74,7 +76,37 @@ def recording(spy_dir, compiled: bool = False):
         evaluation_batches.append(len(loader))
         return real_evaluate(model, loader, device)
 
+    import safetensors
+    real_safe_open, weights_read = safetensors.safe_open, []
+
+    class Counted:  # a safe_open, or one of its slices, whose reads are counted
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc) if hasattr(self.inner, "__exit__") else None
+
+        def get_slice(self, name):
+            return Counted(self.inner.get_slice(name))
+
+        def get_tensor(self, name):
+            return self.counted(self.inner.get_tensor(name))
+
+        def __getitem__(self, index):
+            return self.counted(self.inner[index])
+
+        def counted(self, tensor):
+            weights_read.append(tensor.numel())
+            return tensor
+
     graphs_before = _graphs_built()
+    safetensors.safe_open = lambda *args, **kwargs: Counted(real_safe_open(*args, **kwargs))
     hook = None if compiled else torch.nn.modules.module.register_module_forward_hook(record_dtype)
     chunked_loss.chunked_loss = record_loss_dtype
     torch.distributed.all_reduce = count_all_reduce
@@ -84,6 +116,7 @@ def recording(spy_dir, compiled: bool = False):
         yield
     finally:
         chunked_loss.chunked_loss, torch.distributed.all_reduce = real_chunked_loss, real_all_reduce
+        safetensors.safe_open = real_safe_open
         build.optimizer, memory.Check.__call__, evaluation.evaluate = real_optimizer, real_check, real_evaluate
         if hook is not None:
             hook.remove()
@@ -91,7 +124,8 @@ def recording(spy_dir, compiled: bool = False):
             json.dump({"matmul_dtypes": sorted(dtypes), "compiled_graphs": _graphs_built() - graphs_before,
                        "all_reduces": all_reduces, "all_reduce_bytes": all_reduce_bytes,
                        "all_reduce_groups": sorted(all_reduce_groups), "weights_held": held.get("weights"),
-                       "memory_shards": held.get("memory_shards"), "evaluation_batches": evaluation_batches}, f)
+                       "memory_shards": held.get("memory_shards"), "evaluation_batches": evaluation_batches,
+                       "weights_read": sum(weights_read)}, f)
 
 
 if __name__ == "__main__":

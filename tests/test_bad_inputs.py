@@ -579,7 +579,8 @@ def test_init_from_a_folder_without_weights_is_refused(corpus, tmp_path, capsys)
     fast = FAST_WITH_TOKENIZER
     (tmp_path / "empty").mkdir()
     refused_in_process("train_dp.py", ["--dataset", str(corpus), *fast, "--init-from", str(tmp_path / "empty")],
-                       tmp_path / "new", "not an output folder, a .pt file of one, or a train_fsdp.py", capsys)
+                       tmp_path / "new", "not an output folder, a .pt file of one, a train_fsdp.py checkpoint "
+                       "folder, or a Hugging Face model's folder", capsys)
 
 
 def test_init_from_a_folder_whose_tokenizer_was_edited_is_refused(finished_run, corpus, tmp_path, capsys):

@@ -24,7 +24,7 @@ from safetensors.torch import save
 from tokenizers import Tokenizer, processors
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
-from data import BOT, EOT, PAD  # noqa: E402
+from data import special_ids  # noqa: E402
 from model import LlamaForPretraining  # noqa: E402
 from training import errors, run_folder, stopping, weights  # noqa: E402
 from training.errors import UsageError, path_argument  # noqa: E402
@@ -32,39 +32,49 @@ from training.errors import UsageError, path_argument  # noqa: E402
 
 def hf_config(model: LlamaForPretraining, tokenizer: Tokenizer) -> dict:
     """transformers' LlamaConfig for our model, whose max_position_embeddings is the context
-    it was trained at."""
+    it was trained at (an imported model's: the context it came with, which a run at a shorter
+    --seq-len leaves it)."""
     c = model.config
+    imported = c.bos_token_id is not None  # its config names its own special tokens
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.rope_scaling is not None:  # Llama 3's
+        rope = {**c.rope_scaling, "rope_theta": c.rope_theta}
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-        "max_position_embeddings": c.trained_context, "rms_norm_eps": c.rms_norm_eps,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-        # transformers 5 reads rope_parameters, 4.x reads rope_theta: both, for both
-        "rope_theta": c.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-        **special_token_ids(tokenizer), "torch_dtype": "float32",
+        "max_position_embeddings": c.max_position_embeddings if imported else c.trained_context,
+        "rms_norm_eps": c.rms_norm_eps, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        # transformers 5 reads rope_parameters, 4.x reads rope_theta and rope_scaling: all, for both
+        "rope_theta": c.rope_theta, "rope_parameters": rope, "rope_scaling": c.rope_scaling,
+        **special_token_ids(model, tokenizer), "torch_dtype": "float32",
     }
 
 
-def special_token_ids(tokenizer: Tokenizer) -> dict:
-    return {"bos_token_id": tokenizer.token_to_id(BOT), "eos_token_id": tokenizer.token_to_id(EOT),
-            "pad_token_id": tokenizer.token_to_id(PAD)}
+def special_token_ids(model: LlamaForPretraining, tokenizer: Tokenizer) -> dict:
+    bos, eos, pad = special_ids(tokenizer, model.config)  # [BOT], [EOT], [PAD], or an imported model's own
+    if model.config.bos_token_id is not None:  # imported: its own pad token, or none (Llama 3)
+        pad = model.config.pad_token_id
+    return {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}
 
 
 def hf_state_dict(model: LlamaForPretraining) -> dict:
     """Our parameter names with transformers' prefix; every tensor its own contiguous copy,
-    as safetensors requires."""
+    as safetensors requires. A tied LM head is the embedding: written once, as transformers does."""
+    tied = model.config.tie_word_embeddings
     return {name.replace("base_model.", "model.", 1): t.detach().contiguous().clone()
-            for name, t in model.state_dict().items()}
+            for name, t in model.state_dict().items() if not (tied and name == "lm_head.weight")}
 
 
-def hf_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
-    """Our tokenizer, plus a rule that starts every encoding with [BOT], as training framed
-    documents: `tokenizer(text)` in transformers then gives exactly what the model saw."""
-    hf = Tokenizer.from_str(tokenizer.to_str())
-    hf.post_processor = processors.TemplateProcessing(
-        single=f"{BOT} $A", pair=f"{BOT} $A {BOT} $B:1", special_tokens=[(BOT, tokenizer.token_to_id(BOT))])
+def hf_tokenizer(tokenizer: Tokenizer, bos: int) -> Tokenizer:
+    """Our tokenizer, plus a rule that starts every encoding with its begin token (bos), as
+    training framed documents: `tokenizer(text)` in transformers then gives exactly what the
+    model saw."""
+    hf, token = Tokenizer.from_str(tokenizer.to_str()), tokenizer.id_to_token(bos)
+    hf.post_processor = processors.TemplateProcessing(single=f"{token} $A", pair=f"{token} $A {token} $B:1",
+                                                      special_tokens=[(token, bos)])
     return hf
 
 
@@ -84,14 +94,16 @@ def export(out_dir: str, hf_dir: str):
             raise UsageError(f"{partial} is in the way, and is not an unfinished export: move it away (nothing was "
                              "written)")
     model, tokenizer = weights.load_trained(out_dir)
-    tokens = {"bos_token": BOT, "eos_token": EOT, "pad_token": PAD}
+    ids = special_token_ids(model, tokenizer)
+    tokens = {name.removesuffix("_id"): tokenizer.id_to_token(i)  # "bos_token": "[BOT]"
+              for name, i in ids.items() if i is not None}
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     (partial / "model.safetensors").write_bytes(save(hf_state_dict(model), metadata={"format": "pt"}))
-    hf_tokenizer(tokenizer).save(str(partial / "tokenizer.json"))
+    hf_tokenizer(tokenizer, ids["bos_token_id"]).save(str(partial / "tokenizer.json"))
     files = {
         "config.json": hf_config(model, tokenizer),
-        "generation_config.json": special_token_ids(tokenizer),  # generate() stops at [EOT]
+        "generation_config.json": ids,  # generate() stops at [EOT] (an imported model: its own end token)
         "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", **tokens,
                                   "model_max_length": model.config.trained_context,  # longer inputs get a warning
                                   "clean_up_tokenization_spaces": False,  # decode exactly as ours does

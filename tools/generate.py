@@ -5,7 +5,8 @@
 
 Reads config.json, tokenizer.json and model.pt from the output folder of any of the three
 training scripts (or its newest checkpoint while the run is unfinished). The prompt is framed
-the way training framed documents, [BOT] + text; generation ends at [EOT] or after
+the way training framed documents, [BOT] + text (an imported model: its own begin token);
+generation ends at [EOT] (its own end token) or after
 --max-new-tokens, and the text is printed without special tokens.
 
 Each step feeds only the newest token: the keys and values of every earlier position wait
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
-from data import BOT, EOT, text_only  # noqa: E402
+from data import special_ids, text_only  # noqa: E402
 from model import LlamaForPretraining  # noqa: E402
 from training import errors, stopping, weights  # noqa: E402
 from training.errors import UsageError, path_argument  # noqa: E402
@@ -94,7 +95,8 @@ def main(argv=None):
     model, tokenizer = weights.load_trained(args.out_dir)
     # the prompt is text: a literal "[EOT]" in it is encoded as text, as in training (data.text_only)
     text_ids = text_only(tokenizer).encode(args.prompt, add_special_tokens=False).ids
-    prompt_ids = [tokenizer.token_to_id(BOT)] + text_ids
+    specials = special_ids(tokenizer, model.config)  # [BOT] and [EOT], or an imported model's own
+    prompt_ids = [specials.bos] + text_ids
     room = model.config.max_position_embeddings  # RoPE's table
     trained = model.config.trained_context  # the run's --seq-len
     max_new_tokens = args.max_new_tokens or max(1, min(200, trained - len(prompt_ids)))  # within what it saw
@@ -107,7 +109,7 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     generator = torch.Generator(device).manual_seed(args.seed)
     new = generate(model.to(device), prompt_ids, max_new_tokens, args.temperature, args.top_k,
-                   generator, stop_id=tokenizer.token_to_id(EOT))
+                   generator, stop_id=specials.eos)
     # decode prompt and continuation together: a character may span the boundary
     print(tokenizer.decode(prompt_ids + new, skip_special_tokens=True))
 

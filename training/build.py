@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from model import PRESETS, LlamaConfig, LlamaForPretraining
-from training import stopping, weights
+from model import LlamaForPretraining
+from training import config, hf_import, stopping, weights
 from training.config import TrainConfig
 from training.errors import UsageError
 
@@ -18,7 +18,7 @@ from training.errors import UsageError
 def model(cfg: TrainConfig, vocab_size: int, dtype: torch.dtype, device="cpu") -> LlamaForPretraining:
     """The model with its initial weights on `device`; on "meta", shapes only (FSDP shards it
     first, then calls init_weights)."""
-    model_config = LlamaConfig(vocab_size=vocab_size, trained_seq_len=cfg.seq_len, **PRESETS[cfg.model])
+    model_config = config.model_config(cfg, vocab_size)  # the --model preset's, or an imported model's
     torch.manual_seed(cfg.seed)  # nothing draws from it after initialization; any future dropout would
     with torch.device("meta"):  # shapes only: no memory, no random draws
         model = LlamaForPretraining(model_config)
@@ -28,6 +28,7 @@ def model(cfg: TrainConfig, vocab_size: int, dtype: torch.dtype, device="cpu") -
         model.enable_activation_checkpointing()  # before compile and FSDP wrap the layers
     if device != "meta":
         model.to_empty(device=device)
+        model.tie_weights()  # to_empty untied them
         init_weights(model, cfg)
     return model
 
@@ -41,12 +42,12 @@ def init_weights(model: LlamaForPretraining, cfg: TrainConfig):
     from torch.distributed.tensor import DTensor, distribute_tensor
     if cfg.init_from:  # the weights themselves (config.py resolved a folder to its newest)
         path = Path(cfg.init_from)
-        if path.is_dir():  # a train_fsdp.py checkpoint: DCP reads each rank's part
+        if cfg.architecture:  # a Hugging Face model: each parameter reads its own part of the files
+            hf_import.load_into(model, path)
+            values = ()
+        elif path.is_dir():  # a train_fsdp.py checkpoint: DCP reads each rank's part
             from training import sharded_checkpoint  # only for train_fsdp.py's folders
             sharded_checkpoint.load_model(path, model)
-            if not stopping.weights_finite(model):  # a .pt file's values were checked before anything was written
-                raise UsageError(f"--init-from {cfg.init_from}: its weights are not all finite (NaN or inf): no run "
-                                 "can start from these weights")
             values = ()
         else:
             state = weights.weights_in(path)
@@ -60,6 +61,10 @@ def init_weights(model: LlamaForPretraining, cfg: TrainConfig):
             value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
             param = param.to_local()
         param.copy_(value)
+    if cfg.init_from and (cfg.architecture or Path(cfg.init_from).is_dir()) and not stopping.weights_finite(model):
+        # (a .pt file's values were checked before anything was written; these, each rank its part, once read)
+        raise UsageError(f"--init-from {cfg.init_from}: its weights are not all finite (NaN or inf): no run can "
+                         "start from these weights")
     model.base_model.rotary_emb.reset_tables()  # buffers too: to_empty left them uninitialized
 
 
@@ -67,9 +72,11 @@ def check_init_from(cfg: TrainConfig, vocab_size: int):
     """--init-from's weights must have the shapes of the model this run builds: a clear line
     before anything is allocated or written, not a failed copy."""
     path = Path(cfg.init_from)
+    expected = weights.model_shapes(config.model_config(cfg, vocab_size))
+    if cfg.architecture:  # a Hugging Face model's files: checked with the flags (config.py), and again
+        return hf_import.check_weights(path, expected)  # here, where this rank reads them
     state = None if path.is_dir() else weights.weights_in(path)  # a .pt file: read once, memory-mapped
     saved = weights.folder_weight_shapes(path) if state is None else weights.shapes_of(state)
-    expected = weights.model_shapes(LlamaConfig(vocab_size=vocab_size, **PRESETS[cfg.model]))
     if differ := weights.shape_difference(saved, expected):
         name, there, here = differ
         raise UsageError(f"--init-from {cfg.init_from}: its weights do not fit --model {cfg.model} with its "

@@ -6,15 +6,16 @@ the presets of --model; and the checks that run before anything else does.
 import dataclasses
 import importlib
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 import data
-from model import PRESETS
+from model import PRESETS, LlamaConfig
 from ops import packed_attention
-from training import corpus, run_folder, weights
+from training import corpus, hf_import, run_folder, weights
 from training.errors import ArgumentParser, UsageError, warn
 from training.launch import check_launch_environment, data_parallel_units
 from training.stream import run as stream_run
@@ -118,9 +119,14 @@ class TrainConfig:
     wandb_run: str | None = flag(None, "the W&B run's name (default: one W&B picks)", type=str)
     resume: bool = flag(False, "continue the run in --out-dir from its checkpoint.pt")
     init_from: str | None = flag(None, "start a new run from these weights: an output folder (its model.pt, else "
-                                 "its newest checkpoint), a .pt file of one, or a train_fsdp.py checkpoint folder; "
-                                 "the optimizer, schedule and data position start afresh, the tokenizer is the "
-                                 "weights' own", type=str)
+                                 "its newest checkpoint), a .pt file of one, a train_fsdp.py checkpoint folder, or "
+                                 "a Hugging Face Llama's folder (config.json, tokenizer.json, safetensors), whose "
+                                 "architecture it is; the optimizer, schedule and data position start afresh, the "
+                                 "tokenizer is the weights' own", type=str)
+    # Not a flag: an imported model's architecture (its LlamaConfig's fields, its special tokens
+    # among them), read from --init-from's Hugging Face folder, and from the run's config.json when
+    # it resumes (training/hf_import.py). None: the --model preset's.
+    architecture: dict | None = flag(None, "", only="internal")
     stop_at_step: int | None = flag(None, "save and exit after this step; continue later with --resume", minimum=1,
                                     type=int)
     keep_checkpoints: int = flag(2, "numbered checkpoints to keep; checkpoint.pt is always the newest", minimum=1)
@@ -194,10 +200,20 @@ def parse_args(argv=None, distributed: bool = False, sharded: bool = False, tens
     if cfg.init_from and cfg.resume:  # e.g. a job resubmitted with its arguments plus --resume
         warn(f"--init-from {cfg.init_from} is ignored: --resume continues the run in --out-dir from its checkpoint")
         cfg.init_from = None
-    if cfg.init_from:
+    if cfg.init_from and (folder := hf_import.resolve(cfg.init_from)):  # a published model (a folder, a Hub id)
+        if "--model" in (arg.split("=")[0] for arg in (sys.argv[1:] if argv is None else argv)):
+            raise UsageError(f"--init-from {cfg.init_from} brings its own architecture (its config.json): leave "
+                             "--model out")
+        out = source = folder
+        architecture = hf_import.llama_config(folder)
+        hf_import.check_weights(folder, weights.model_shapes(architecture))  # from the files' headers
+        theirs = hf_import.load_tokenizer(folder, architecture)
+        cfg.architecture = dataclasses.asdict(architecture)  # (trained_seq_len None: --seq-len decides it)
+    elif cfg.init_from:
         out, source = weights.init_source(cfg.init_from)
         theirs = data.load_tokenizer(out / run_folder.TOKENIZER)
         run_folder.check_tokenizer(out, theirs, run_folder.recorded_fingerprint(out))  # unedited
+    if cfg.init_from:
         if cfg.tokenizer:
             raise UsageError("--init-from brings its own tokenizer (the tokenizer.json beside its weights): leave "
                              "--tokenizer out")
@@ -209,6 +225,8 @@ def parse_args(argv=None, distributed: bool = False, sharded: bool = False, tens
         # resolved once: every later step reads these weights, even if the source run saves again
         cfg.init_from = str(source)
         cfg.tokenizer = str(out / run_folder.TOKENIZER)  # the ids the weights were trained on
+    if cfg.resume and cfg.architecture is None:  # an imported model continues as itself (its config.json)
+        cfg.architecture = run_folder.imported_architecture(Path(cfg.out_dir))
     for key, value in TRAINING_PRESETS[cfg.model].items():
         # a tokenizer brings its vocabulary; so does a resumed run (its own tokenizer.json). A stream
         # has no length: a demo's 50 or 250 steps of a 100 GB corpus, said nowhere, would be a guess
@@ -235,9 +253,10 @@ def validate(cfg: TrainConfig):
             raise UsageError(f"{name} must be at most {shown[0]}, got {shown[1]}")
         if number and not (math.isfinite(value) and (value > 0 if number == "positive" else value >= 0)):
             raise UsageError(f"{name} must be a {number} number, got {value}")
-    max_pos = PRESETS[cfg.model]["max_position_embeddings"]
+    max_pos = (cfg.architecture or PRESETS[cfg.model])["max_position_embeddings"]
     if cfg.seq_len > max_pos:
-        raise UsageError(f"--seq-len {cfg.seq_len} exceeds the {cfg.model} model's {max_pos} positions")
+        which = "imported" if cfg.architecture else cfg.model
+        raise UsageError(f"--seq-len {cfg.seq_len} exceeds the {which} model's {max_pos} positions")
     if cfg.backend == "nccl" and (cfg.device == "cpu" or not torch.cuda.is_available()):
         raise UsageError("--backend nccl needs CUDA GPUs, and this run has none (none visible, or --device cpu): "
                          "leave --backend out (gloo on CPUs)")
@@ -272,6 +291,24 @@ def validate(cfg: TrainConfig):
     if inside and cfg.dataset != corpus.EMBEDDED_CORPUS:
         raise UsageError(f"--out-dir {cfg.out_dir} is inside the --dataset folder {cfg.dataset}: the run would "
                          "read its own files as data. Choose an --out-dir outside it")
+
+
+def model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
+    """The model this run trains: --init-from's imported architecture, or the --model preset
+    with the tokenizer's vocabulary; trained at --seq-len."""
+    if cfg.architecture:
+        return LlamaConfig(**{**cfg.architecture, "trained_seq_len": cfg.seq_len})
+    return LlamaConfig(vocab_size=vocab_size, trained_seq_len=cfg.seq_len, **PRESETS[cfg.model])
+
+
+def imported(cfg: TrainConfig) -> LlamaConfig | None:
+    """The imported model's config (its special tokens), or None for a --model preset's run."""
+    return LlamaConfig(**cfg.architecture) if cfg.architecture else None
+
+
+def special_ids(cfg: TrainConfig, tokenizer) -> data.SpecialIds:
+    """The ids the run frames documents with and pads rows with: the imported model's own, or ours."""
+    return data.special_ids(tokenizer, imported(cfg))
 
 
 def mesh_shape(replicas: int, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:

@@ -45,6 +45,7 @@ Per process, in bytes:
 import collections
 import dataclasses
 import functools
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,7 @@ import torch
 from model import PRESETS, LlamaConfig, LlamaForPretraining
 from ops import chunked_loss, packed_attention
 from training import launch
-from training.config import TrainConfig
+from training.config import TrainConfig, model_config
 from training.errors import UsageError, warn
 
 BYTES_PER_PARAMETER = 4 + 4 + 8  # fp32 weight, its gradient, AdamW's exp_avg and exp_avg_sq
@@ -125,12 +126,12 @@ Sizes = collections.namedtuple("Sizes", "parameters matrices largest layer_matmu
 
 
 @functools.lru_cache(maxsize=None)
-def _sizes(config_fields: tuple) -> Sizes:
+def _sizes(config_json: str) -> Sizes:
     """Parameter counts of the real model, built on the meta device (nothing allocated).
     groups: train_fsdp.shard's groups, each as (its matrices, its vectors): TP splits the
     first (tensor_parallel.parallelize), and leaves the RMSNorms' gains whole."""
     with torch.device("meta"):
-        model = LlamaForPretraining(LlamaConfig(*config_fields))
+        model = LlamaForPretraining(LlamaConfig(**json.loads(config_json)))
 
     def count(module, matmuls_only=False):
         return sum(p.numel() for p in module.parameters() if p.dim() == 2 or not matmuls_only)
@@ -152,7 +153,7 @@ def estimate(config: LlamaConfig, micro_batch: int, seq_len: int, dtype: torch.d
     where AdamW is fused (build.optimizer) and saves copy the state into host memory;
     checkpointing: --activation-checkpointing; compiled: --compile; packed: --pack; tp: --tp
     (train_tp.py; 1 elsewhere), micro_batch then being each TP group's."""
-    n = _sizes(dataclasses.astuple(config))
+    n = _sizes(json.dumps(dataclasses.asdict(config), sort_keys=True))  # (a dict field: no tuple to cache by)
     # TP splits every matrix (tensor_parallel.parallelize: by rows or columns, the embedding and
     # the LM head by the vocabulary) and replicates the norms' gains; FSDP shards what each TP
     # rank holds over the shards / tp ranks of "dp". (Without TP: 1/shards of every parameter.)
@@ -249,7 +250,7 @@ class Check:
 
     def __call__(self, vocab_size: int):
         cfg = self.cfg
-        config = LlamaConfig(vocab_size=vocab_size, **PRESETS[cfg.model])
+        config = model_config(cfg, vocab_size)
         if cfg.tp > 1:  # here: the vocabulary is known now, and nothing is written yet
             from training import tensor_parallel  # train_tp.py's alone
             tensor_parallel.check_model(config, cfg.tp)

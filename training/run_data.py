@@ -14,7 +14,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 import data
-from training import build, corpus, packing, resume, run_folder
+from training import build, config, corpus, packing, resume, run_folder
 from training.config import TrainConfig
 from training.errors import UsageError, is_rank0, warn
 from training.run_folder import TOKENIZER
@@ -32,6 +32,9 @@ def prepare(cfg: TrainConfig, turns=OneProcess(), sharded: bool = False, model_f
     ckpt = turns.everywhere(lambda: resume.load_run(cfg.out_dir, sharded)) if resuming else None
     if ckpt is not None:  # a streamed run resumes streamed, a map-style one map-style: before any reading
         turns.everywhere(lambda: stream_run.check_same_mode(ckpt, cfg.stream))
+    if cfg.init_from:  # the same weights on every rank: a Hub id each resolved to the commit rank 0 did
+        rank0s = turns.from_rank0(lambda: cfg.init_from)
+        turns.everywhere(lambda: same_init_from(cfg.init_from, rank0s))
     # sources -> documents: the training documents, and the held-out ones set apart
     documents = (stream_dataset.Corpus if cfg.stream else Corpus)(cfg, ckpt, turns)
     # documents -> tokens: one tokenizer for the whole job, which rank 0 trains (or loads) and sends to all
@@ -75,6 +78,12 @@ class Corpus:
         if self.ckpt is not None:
             self.turns.everywhere(lambda: check_same_packing(self.ckpt, cfg, train))
         return train
+
+
+def same_init_from(mine: str, rank0s: str):
+    if mine != rank0s:
+        raise UsageError(f"--init-from resolved to {mine} on this rank and to {rank0s} on rank 0 (a Hub model "
+                         "updated while the job started?): start the job again")
 
 
 def claim_out_dir(cfg: TrainConfig, ckpt: dict | None):
@@ -146,13 +155,13 @@ def get_tokenizer(cfg: TrainConfig, train_bpe, resuming: bool) -> Tokenizer:
     the training documents."""
     if resuming:
         out = Path(cfg.out_dir)
-        tokenizer = data.load_tokenizer(out / TOKENIZER)
+        tokenizer = data.load_tokenizer(out / TOKENIZER, config.imported(cfg))
         run_folder.check_tokenizer(out, tokenizer, run_folder.recorded_fingerprint(out))  # the run's own
-        if cfg.tokenizer and data.load_tokenizer(cfg.tokenizer).to_str() != tokenizer.to_str():
+        if cfg.tokenizer and data.load_tokenizer(cfg.tokenizer, config.imported(cfg)).to_str() != tokenizer.to_str():
             raise UsageError(f"--tokenizer {cfg.tokenizer} differs from the run's {TOKENIZER}")
         return tokenizer
     if cfg.tokenizer:
-        return data.load_tokenizer(cfg.tokenizer)
+        return data.load_tokenizer(cfg.tokenizer, config.imported(cfg))
     return train_bpe()
 
 
@@ -160,10 +169,11 @@ def make_dataset(cfg: TrainConfig, tokenizer: Tokenizer, texts, text_bytes: bool
     """Every document's windows, one a row, or with --pack several a row (held-out ones too, so
     that evaluation costs what training does). text_bytes: count their text's UTF-8 bytes, for
     bits per byte."""
-    pad_id = tokenizer.token_to_id(data.PAD)
+    specials = config.special_ids(cfg, tokenizer)  # ours, or an imported model's own
+    pad_id = specials.pad
     if text_bytes:
         facts["text_bytes"] = corpus.text_bytes(texts)
-    windows = data.tokenize(texts, tokenizer, cfg.seq_len)
+    windows = data.tokenize(texts, tokenizer, cfg.seq_len, specials)
     if cfg.pack:
         return packing.PackedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts,
                                              packing=packing.pack(windows, cfg.seq_len, cfg.seed))

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 import data
 from model import LlamaConfig, LlamaForPretraining
-from training import corpus, files
+from training import corpus, files, model_config
 from training.errors import UsageError, first_line
 
 CHECKPOINT, MODEL, TOKENIZER, CONFIG, METRICS = (
@@ -155,9 +155,22 @@ def read_config(out: Path) -> tuple[LlamaConfig, str | None]:
     fields = config_fields(out)
     fingerprint = fields.pop(TOKENIZER_FINGERPRINT, None) if isinstance(fields, dict) else None
     try:
-        return LlamaConfig(**fields), fingerprint
+        return model_config.checked(fields), fingerprint
     except (ValueError, TypeError) as e:
         raise UsageError(f"cannot read {out / CONFIG}: {first_line(e)}") from None
+
+
+def imported_architecture(out: Path) -> dict | None:
+    """An imported model's architecture (config.architecture), from its run's config.json: a model
+    that names its own special tokens was imported. None for a --model preset's run, or where
+    config.json cannot be read (the resume then says what is wrong)."""
+    try:
+        config, _ = read_config(out) if (out / CONFIG).is_file() else (None, None)
+    except UsageError:
+        return None
+    if config is None or config.bos_token_id is None:
+        return None
+    return {**dataclasses.asdict(config), "trained_seq_len": None}
 
 
 def recorded_fingerprint(out: Path) -> str | None:

@@ -307,4 +307,7 @@ def load_model(path: Path, model) -> None:
 def full_model_state(model) -> dict:
     """The whole model as a plain state_dict on rank 0's CPU (an empty dict on the others),
     gathered one tensor at a time: what model.pt holds for every script. All ranks call it."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if model.config.tie_word_embeddings and state:  # gathered twice, one tensor: saved once, as the others save it
+        state["lm_head.weight"] = state["base_model.embed_tokens.weight"]
+    return state

@@ -51,6 +51,9 @@ def check_model(config: LlamaConfig, tp: int) -> None:
     """What --tp cannot split in the model, one line, once the vocabulary is known (memory.Check)
     and before anything is written: whole heads on each rank (query and key/value), and
     matrices whose split dimension divides."""
+    if tp > 1 and config.tie_word_embeddings:  # the embedding's rows and the head's would each need the one matrix
+        raise UsageError(f"--tp {tp}: the model ties its input and output embeddings, which this plan splits "
+                         "differently; train it with train_fsdp.py")
     for count, name, other in ((config.num_attention_heads, "attention heads", "another --model"),
                                (config.num_key_value_heads, "key/value heads", "another --model"),
                                (config.intermediate_size, "MLP hidden units (intermediate_size)", "another --model"),

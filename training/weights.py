@@ -35,8 +35,9 @@ def init_source(path: str) -> tuple[Path, Path]:
     elif p.is_file() or (p / ".metadata").is_file():
         out, weights = p.parent, p
     else:
-        raise UsageError(f"--init-from {path}: not an output folder, a .pt file of one, or a train_fsdp.py "
-                         "checkpoint folder")
+        hf = ": its safetensors have no config.json beside them" if p.is_dir() and any(p.glob("*.safetensors*")) else ""
+        raise UsageError(f"--init-from {path}: not an output folder, a .pt file of one, a train_fsdp.py checkpoint "
+                         f"folder, or a Hugging Face model's folder{hf}")
     for needed in (CONFIG, TOKENIZER):
         if not (out / needed).is_file():
             raise UsageError(f"--init-from {path}: no {needed} beside the weights, in {out}")
@@ -138,7 +139,7 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
     if name := unusable_weight(dict(model.named_parameters())):  # what a diverged or damaged file holds
         raise UsageError(f"the weights in {out} are not finite ({name} holds NaN or inf): nothing to sample or "
                          "export from them")
-    tokenizer = load_tokenizer(out / TOKENIZER)
+    tokenizer = load_tokenizer(out / TOKENIZER, config)
     if tokenizer.get_vocab_size() != config.vocab_size:  # another run's: its ids would index other rows
         raise UsageError(f"{out / TOKENIZER} has {tokenizer.get_vocab_size():,} tokens, and the model "
                          f"{config.vocab_size:,} ({CONFIG}): the tokenizer of another run?")

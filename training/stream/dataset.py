@@ -19,7 +19,7 @@ What the scripts ask of a training dataset, and what a stream answers:
 
 import datasets
 
-from training import corpus, launch
+from training import config, corpus, launch
 from training.errors import UsageError
 from training.stream import holdout, integrity, loader, run, shards
 from training.stream.holdout import HeldOut
@@ -137,7 +137,8 @@ class StreamedDataset:
         spare = launch.usable_cores() // launch.ranks_on_this_node() - 1
         workers = max((n for n in range(owned + 1) if n == 0 or owned % n == 0 and n <= spare), default=0)
         return loader.StreamFeed(self.sub_streams, self.read, self.tokenizer, cfg.seq_len, cfg.pack, None,
-                                 cfg.batch_size, world_size, rank, cfg.grad_accum, workers)
+                                 cfg.batch_size, world_size, rank, cfg.grad_accum, workers,
+                                 specials=config.special_ids(cfg, self.tokenizer))
 
     def read_ahead(self, device, group=None) -> loader.AgreedSteps:
         """This rank's micro-batches, step after step (from the checkpoint's positions on a

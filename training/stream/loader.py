@@ -73,7 +73,7 @@ class StreamFeed(Iterator[list[tuple[torch.Tensor, ...]]]):
 
     def __init__(self, sub_streams: SubStreams, read: order.Read, tokenizer: Tokenizer, seq_len: int, pack: bool,
                  epochs: int | None, batch_size: int, world_size: int, rank: int, grad_accum: int = 1,
-                 num_workers: int = 0, pin_memory: bool = False, open_rows: int = OPEN_ROWS):
+                 num_workers: int = 0, pin_memory: bool = False, open_rows: int = OPEN_ROWS, specials=None):
         streams = sub_streams.streams
         self.owned = order.owned(streams, world_size, rank)  # W that does not divide S: one line
         if batch_size % streams:
@@ -88,7 +88,7 @@ class StreamFeed(Iterator[list[tuple[torch.Tensor, ...]]]):
         self.pin_memory = pin_memory
         # Whole sub-streams to a worker; a worker without one would only end at once
         self.workers = min(num_workers, len(self.owned))
-        self._settings = (sub_streams, read, tokenizer, seq_len, pack, epochs, open_rows)
+        self._settings = (sub_streams, read, tokenizer, seq_len, pack, epochs, open_rows, specials)
         self._known = {}  # the digests of the pieces read by the checkpoint's sub-streams: load_state_dict's
         self._states = {stream: self._rows(stream).state_dict() for stream in self.owned}
         self._items, self._ended = None, False
@@ -96,8 +96,9 @@ class StreamFeed(Iterator[list[tuple[torch.Tensor, ...]]]):
 
     def _rows(self, stream: int, state: dict | None = None) -> SubStreamRows:
         """Sub-stream `stream`'s rows, from `state` (SubStreamRows checks it: one line naming it)."""
-        sub_streams, read, tokenizer, seq_len, pack, epochs, open_rows = self._settings
-        rows = SubStreamRows(sub_streams, stream, read, tokenizer, seq_len, pack, epochs, open_rows, self._known)
+        sub_streams, read, tokenizer, seq_len, pack, epochs, open_rows, specials = self._settings
+        rows = SubStreamRows(sub_streams, stream, read, tokenizer, seq_len, pack, epochs, open_rows, self._known,
+                             specials)
         if state is not None:
             rows.load_state_dict(state)
         return rows

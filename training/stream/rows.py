@@ -61,16 +61,18 @@ class SubStreamRows(Iterator[tuple[torch.Tensor, ...]]):
     flush. Either way every token of every document (after its [BOT]) is a target exactly once
     an epoch. An object given state_dict() taken after any row gives the rows this one gives
     next, bitwise. read(piece, start_row) is the run's reader (order.Read); `tokenizer` the
-    run's, its [PAD] the padding. What it reads again is checked against what it read
+    run's, its [PAD] the padding (specials: an imported model's own ids instead). What it reads again is checked against what it read
     (integrity.py); `known`: the digests of the pieces the run had read by the checkpoint it
     resumed from (integrity.known_pieces)."""
 
     def __init__(self, sub_streams: SubStreams, stream: int, read: order.Read, tokenizer: Tokenizer, seq_len: int,
-                 pack: bool, epochs: int | None, open_rows: int = OPEN_ROWS, known: dict[int, int] | None = None):
+                 pack: bool, epochs: int | None, open_rows: int = OPEN_ROWS, known: dict[int, int] | None = None,
+                 specials: data.SpecialIds | None = None):
         self.read, self.seq_len, self.epochs = read, seq_len, epochs
         self.seen = PiecesRead(known)
         self.tokenizer, self.exact_cuts = _for_text(tokenizer)  # a copy: "[EOT]" in a text is text
-        self.pad_id = tokenizer.token_to_id(data.PAD)
+        self.specials = specials or data.special_ids(tokenizer)  # the run's framing: ours, or a model's own
+        self.pad_id = self.specials.pad
         self.cursor = Cursor(sub_streams, stream)  # where reading stands: past the document in progress
         self._start(self.cursor, OnlinePacker(seq_len, open_rows) if pack else None)
 
@@ -95,7 +97,7 @@ class SubStreamRows(Iterator[tuple[torch.Tensor, ...]]):
         return self._windows[self._window - 1]
 
     def _cut(self, text: str) -> list[np.ndarray]:
-        return data.document_windows(text, self.tokenizer, self.seq_len, self.exact_cuts)
+        return data.document_windows(text, self.tokenizer, self.seq_len, self.exact_cuts, specials=self.specials)
 
     def __next__(self) -> tuple[torch.Tensor, ...]:
         row = self._next_row()
