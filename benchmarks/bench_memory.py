@@ -23,7 +23,9 @@ reaches it says "at least 4096"). Table 4, from the same estimate, what each ran
 train_tp.py for those presets at --tp 1, 2, 4 and 8, with dp 1 and with FSDP over the rest of
 8 GPUs: fp32 weights, gradients and AdamW's moments, the activations of one micro-batch of
 --batch's first x --seq-len tokens a TP group, and the loss's logits (the chunked loss's chunk
-at tp 1, loss_parallel's whole (tokens, V/tp) at the peak of its backward beyond).
+at tp 1, loss_parallel's whole (tokens, V/tp) at the peak of its backward beyond). Table 5, the
+same per rank for published models that --init-from imports (their config.json's sizes), under
+DDP and under FSDP over 8 GPUs; --hf-config FOLDER adds a Hugging Face model folder's own.
 """
 
 import argparse
@@ -52,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--gpu-gb", type=at_least(1e-3, float), default=24.0, help="GPU memory for Table 3, in GB")
     p.add_argument("--estimate-only", action="store_true", help="Table 3 alone: no measurement")
     p.add_argument("--json", type=path_argument, default="bench_memory.json")
+    p.add_argument("--hf-config", type=path_argument, nargs="*", default=[],
+                   help="Hugging Face model folders to add to Table 5 (their config.json)")
     p.add_argument("--one", nargs=3, metavar=("VARIANT", "BATCH", "VOCAB"), help=argparse.SUPPRESS)  # a worker's row
     args = p.parse_args(argv)
     if not args.one:  # (a worker's row: its parent checked the flags)
@@ -227,6 +231,48 @@ def print_tp(args, rows):
         print(f"  {row['model']:<9}{row['tp']:>3}{row['dp']:>4}{cells}")
 
 
+# The sizes in the published models' config.json (Hugging Face Hub): what memory depends on
+PUBLISHED = {
+    "SmolLM2-135M": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
+    "SmolLM2-360M": dict(vocab_size=49152, hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
+                         num_attention_heads=15, num_key_value_heads=5, tie_word_embeddings=True),
+    "Llama-3.2-1B": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+}
+
+
+def published_table(args) -> list:
+    """memory.py's estimate per rank for PUBLISHED and --hf-config's models, one micro-batch of
+    --batch's first x --seq-len tokens a rank, on a GPU: DDP, and FSDP over GPUS ranks."""
+    import torch
+
+    from model import LlamaConfig
+    from training import hf_import, memory
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    configs = {name: LlamaConfig(max_position_embeddings=args.seq_len, **sizes) for name, sizes in PUBLISHED.items()}
+    configs.update({Path(folder).name: hf_import.llama_config(Path(folder)) for folder in args.hf_config})
+    rows = []
+    for name, config in configs.items():
+        for ranks in (1, GPUS):
+            need = memory.estimate(config, args.batch[0], args.seq_len, dtype, shards=ranks, on_gpu=True)
+            weights = need.state // (memory.BYTES_PER_PARAMETER // 4)
+            rows.append({"model": name, "tp": 1, "dp": ranks, "weights": weights, "gradients": weights,
+                         "optimizer": 2 * weights, "activations": need.activations, "logits": need.logits,
+                         "total": need.total})
+    return rows
+
+
+def print_published(args, rows):
+    print(f"\nTable 5: published models (--init-from), per rank (memory.py's estimate, GB), one micro-batch of "
+          f"{args.batch[0]} x {args.seq_len} tokens, {args.dtype}, on GPUs: DDP (dp 1), FSDP over {GPUS} (dp {GPUS})")
+    print(f"  {'model':<14}{'dp':>4}{'weights':>9}{'grads':>8}{'AdamW':>8}{'activations':>13}{'loss':>7}{'total':>8}")
+    for row in rows:
+        cells = "".join(f"{row[key] / 1e9:>{width}.2f}" for key, width in (
+            ("weights", 9), ("gradients", 8), ("optimizer", 8), ("activations", 13), ("logits", 7), ("total", 8)))
+        print(f"  {row['model']:<14}{row['dp']:>4}{cells}")
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.one:
@@ -235,6 +281,7 @@ def main(argv=None):
     if args.estimate_only:
         print_fits(args, fits_table(args))
         print_tp(args, tp_table(args))
+        print_published(args, published_table(args))
         return
     results = {}
     for batch in args.batch:
@@ -270,10 +317,12 @@ def main(argv=None):
     fits, tp_rows = fits_table(args), tp_table(args)
     print_fits(args, fits)
     print_tp(args, tp_rows)
+    published = published_table(args)
+    print_published(args, published)
     from training import files  # here: the rows' processes import no more than they measure
     files.atomic_save(json.dumps({"args": vars(args), "rows": {f"{v} @ {b}": r for (v, b), r in results.items()},
                                   "bytes_per_token": per_token, "fits": fits, "largest_searched": LARGEST_SEARCHED,
-                                  "tensor_parallel": tp_rows},
+                                  "tensor_parallel": tp_rows, "published": published},
                                  indent=2), Path(args.json))
     print(f"\nwritten to {args.json}")
 

@@ -662,14 +662,15 @@ def test_init_from_weights_in_torchs_legacy_format_starts_there(finished_run, tm
     assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
 
 
-def test_init_from_a_hugging_face_export_names_what_to_give_instead(corpus, tmp_path, capsys):
+def test_init_from_safetensors_beside_a_config_not_hugging_faces_is_one_line(corpus, tmp_path, capsys):
     export = tmp_path / "hf"
     export.mkdir()
     (export / "config.json").write_text("{}")
     (export / "model.safetensors").write_bytes(b"")
     fast = FAST_WITH_TOKENIZER
     refused_in_process("train_dp.py", ["--dataset", str(corpus), *fast, "--init-from", str(export)], tmp_path / "new",
-                       "is a Hugging Face export (export_hf.py): give the output folder it was exported from", capsys)
+                       "holds safetensors, but its config.json is not a Hugging Face model's (it names no "
+                       "model_type)", capsys)
 
 
 def made_hostile(path, kind: str):

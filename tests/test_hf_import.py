@@ -251,3 +251,34 @@ def test_init_from_a_hugging_face_model_refuses_another_architecture_or_vocabula
     args = hf_args(hf["llama3"], corpus, out)[:-2]
     refused_in_process("train_dp.py", [*args, "--model", "tiny"], out, "brings its own architecture", capsys)
     refused_in_process("train_dp.py", [*args, "--vocab-size", "300"], out, "trained with 1,024 tokens", capsys)
+
+
+def test_the_readme_recipe_streams_shards_into_an_imported_model_then_exports_it_tied(hf, corpus, tmp_path):
+    """The README's recipe at test size: SmolLM2's shape continued on a folder of parquet shards by
+    DDP on 2 ranks with --stream; the trained model exported loads in transformers tied, with our
+    logits; and a run started from that run's folder is the same architecture again."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import export_hf
+    from training import weights
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    lines = corpus.read_text().splitlines()
+    for i in range(4):
+        pq.write_table(pa.table({"text": lines[i::4]}), shards / f"part-{i}.parquet")
+    run = tmp_path / "run"
+    args = hf_args(hf["smollm"], shards, run, "--stream")
+    train("train_ddp.py", args, nproc=2)
+    assert tied(run)
+    export_hf.export(str(run), str(tmp_path / "export"))
+    theirs = published(tmp_path / "export")
+    assert theirs.config.tie_word_embeddings and theirs.lm_head.weight is theirs.model.embed_tokens.weight
+    ours, _ = weights.load_trained(str(run))
+    ids = torch.randint(0, ours.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(theirs(ids).logits, ours(ids))
+    again = tmp_path / "again"  # from the run's own folder: its config.json holds the imported architecture
+    train("train_dp.py", hf_args(run, corpus, again, "--max-steps", "2"))
+    assert json.loads((again / "config.json").read_text()) == {
+        **json.loads((run / "config.json").read_text()), "trained_seq_len": 32}

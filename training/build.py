@@ -42,7 +42,7 @@ def init_weights(model: LlamaForPretraining, cfg: TrainConfig):
     from torch.distributed.tensor import DTensor, distribute_tensor
     if cfg.init_from:  # the weights themselves (config.py resolved a folder to its newest)
         path = Path(cfg.init_from)
-        if cfg.architecture:  # a Hugging Face model: each parameter reads its own part of the files
+        if hf_import.is_hf_folder(path):  # a Hugging Face model: each parameter reads its own part of the files
             hf_import.load_into(model, path)
             values = ()
         elif path.is_dir():  # a train_fsdp.py checkpoint: DCP reads each rank's part
@@ -61,7 +61,7 @@ def init_weights(model: LlamaForPretraining, cfg: TrainConfig):
             value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
             param = param.to_local()
         param.copy_(value)
-    if cfg.init_from and (cfg.architecture or Path(cfg.init_from).is_dir()) and not stopping.weights_finite(model):
+    if cfg.init_from and Path(cfg.init_from).is_dir() and not stopping.weights_finite(model):
         # (a .pt file's values were checked before anything was written; these, each rank its part, once read)
         raise UsageError(f"--init-from {cfg.init_from}: its weights are not all finite (NaN or inf): no run can "
                          "start from these weights")
@@ -73,7 +73,7 @@ def check_init_from(cfg: TrainConfig, vocab_size: int):
     before anything is allocated or written, not a failed copy."""
     path = Path(cfg.init_from)
     expected = weights.model_shapes(config.model_config(cfg, vocab_size))
-    if cfg.architecture:  # a Hugging Face model's files: checked with the flags (config.py), and again
+    if hf_import.is_hf_folder(path):  # a Hugging Face model's files: checked with the flags (config.py), and again
         return hf_import.check_weights(path, expected)  # here, where this rank reads them
     state = None if path.is_dir() else weights.weights_in(path)  # a .pt file: read once, memory-mapped
     saved = weights.folder_weight_shapes(path) if state is None else weights.shapes_of(state)

@@ -201,9 +201,6 @@ def parse_args(argv=None, distributed: bool = False, sharded: bool = False, tens
         warn(f"--init-from {cfg.init_from} is ignored: --resume continues the run in --out-dir from its checkpoint")
         cfg.init_from = None
     if cfg.init_from and (folder := hf_import.resolve(cfg.init_from)):  # a published model (a folder, a Hub id)
-        if "--model" in (arg.split("=")[0] for arg in (sys.argv[1:] if argv is None else argv)):
-            raise UsageError(f"--init-from {cfg.init_from} brings its own architecture (its config.json): leave "
-                             "--model out")
         out = source = folder
         architecture = hf_import.llama_config(folder)
         hf_import.check_weights(folder, weights.model_shapes(architecture))  # from the files' headers
@@ -211,7 +208,8 @@ def parse_args(argv=None, distributed: bool = False, sharded: bool = False, tens
         cfg.architecture = dataclasses.asdict(architecture)  # (trained_seq_len None: --seq-len decides it)
     elif cfg.init_from:
         out, source = weights.init_source(cfg.init_from)
-        theirs = data.load_tokenizer(out / run_folder.TOKENIZER)
+        cfg.architecture = run_folder.imported_architecture(out)  # a run that started from a published model
+        theirs = data.load_tokenizer(out / run_folder.TOKENIZER, imported(cfg))
         run_folder.check_tokenizer(out, theirs, run_folder.recorded_fingerprint(out))  # unedited
     if cfg.init_from:
         if cfg.tokenizer:
@@ -227,6 +225,9 @@ def parse_args(argv=None, distributed: bool = False, sharded: bool = False, tens
         cfg.tokenizer = str(out / run_folder.TOKENIZER)  # the ids the weights were trained on
     if cfg.resume and cfg.architecture is None:  # an imported model continues as itself (its config.json)
         cfg.architecture = run_folder.imported_architecture(Path(cfg.out_dir))
+    if cfg.architecture and "--model" in (arg.split("=")[0] for arg in (sys.argv[1:] if argv is None else argv)):
+        raise UsageError(f"--init-from {cfg.init_from or cfg.out_dir} brings its own architecture (its config.json): "
+                         "leave --model out")
     for key, value in TRAINING_PRESETS[cfg.model].items():
         # a tokenizer brings its vocabulary; so does a resumed run (its own tokenizer.json). A stream
         # has no length: a demo's 50 or 250 steps of a 100 GB corpus, said nowhere, would be a guess

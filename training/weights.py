@@ -26,9 +26,9 @@ def init_source(path: str) -> tuple[Path, Path]:
         out = p
         # whatever is there (a FIFO, a folder, a dangling link): refused when read, never passed over
         newest = [p / name for name in (MODEL, CHECKPOINT) if os.path.lexists(p / name)] or sharded_checkpoints(p)[-1:]
-        if not newest and (p / "model.safetensors").is_file():
-            raise UsageError(f"--init-from {path} is a Hugging Face export (export_hf.py): give the output "
-                             "folder it was exported from")
+        if not newest and any(p.glob("model*.safetensors*")):  # a Hugging Face model's folder names its model_type
+            raise UsageError(f"--init-from {path} holds safetensors, but its {CONFIG} is not a Hugging Face model's "
+                             "(it names no model_type)")
         if not newest:
             raise UsageError(f"--init-from {path} holds no {MODEL} and no checkpoint: nothing trained yet")
         weights = newest[0]
