@@ -14,7 +14,7 @@ import torch
 import data
 from model import PRESETS
 from ops import packed_attention
-from training import corpus, run_folder, weights
+from training import corpus, run_folder, tokenized, weights
 from training.errors import ArgumentParser, UsageError, warn
 from training.launch import check_launch_environment, data_parallel_units
 from training.stream import run as stream_run
@@ -196,7 +196,7 @@ def parse_args(argv=None, distributed: bool = False, sharded: bool = False, tens
         cfg.init_from = None
     if cfg.init_from:
         out, source = weights.init_source(cfg.init_from)
-        theirs = data.load_tokenizer(out / run_folder.TOKENIZER)
+        theirs = tokenized.load_tokenizer(out / run_folder.TOKENIZER)
         run_folder.check_tokenizer(out, theirs, run_folder.recorded_fingerprint(out))  # unedited
         if cfg.tokenizer:
             raise UsageError("--init-from brings its own tokenizer (the tokenizer.json beside its weights): leave "

@@ -14,7 +14,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 import data
-from training import build, corpus, packing, resume, run_folder
+from training import build, caches, corpus, packing, resume, run_folder, tokenized
 from training.config import TrainConfig
 from training.errors import UsageError, is_rank0, warn
 from training.run_folder import TOKENIZER
@@ -146,13 +146,13 @@ def get_tokenizer(cfg: TrainConfig, train_bpe, resuming: bool) -> Tokenizer:
     the training documents."""
     if resuming:
         out = Path(cfg.out_dir)
-        tokenizer = data.load_tokenizer(out / TOKENIZER)
+        tokenizer = tokenized.load_tokenizer(out / TOKENIZER)
         run_folder.check_tokenizer(out, tokenizer, run_folder.recorded_fingerprint(out))  # the run's own
-        if cfg.tokenizer and data.load_tokenizer(cfg.tokenizer).to_str() != tokenizer.to_str():
+        if cfg.tokenizer and tokenized.load_tokenizer(cfg.tokenizer).to_str() != tokenizer.to_str():
             raise UsageError(f"--tokenizer {cfg.tokenizer} differs from the run's {TOKENIZER}")
         return tokenizer
     if cfg.tokenizer:
-        return data.load_tokenizer(cfg.tokenizer)
+        return tokenized.load_tokenizer(cfg.tokenizer)
     return train_bpe()
 
 
@@ -163,8 +163,10 @@ def make_dataset(cfg: TrainConfig, tokenizer: Tokenizer, texts, text_bytes: bool
     pad_id = tokenizer.token_to_id(data.PAD)
     if text_bytes:
         facts["text_bytes"] = corpus.text_bytes(texts)
-    windows = data.tokenize(texts, tokenizer, cfg.seq_len)
+    windows = tokenized.tokenize(texts, tokenizer, cfg.seq_len)
+    # its cache files as this run opened them, checked before each batch is read
+    read_back = caches.ReadBack(windows, tokenized.CACHED_WINDOWS)
     if cfg.pack:
         return packing.PackedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts,
-                                             packing=packing.pack(windows, cfg.seq_len, cfg.seed))
-    return data.PaddedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts)
+                                             read_back=read_back, packing=packing.pack(windows, cfg.seq_len, cfg.seed))
+    return data.PaddedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts, read_back=read_back)
