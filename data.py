@@ -1,22 +1,21 @@
-"""The BPE tokenizer and the padded-sequence dataset (the corpus itself: corpus.py).
+"""The BPE tokenizer and the padded-sequence dataset (the corpus itself: training/corpus.py).
 
 A document becomes `[BOT] + ids + [EOT]`, cut into windows of seq_len + 1 tokens that
 overlap by one, the last one right-padded; x = window[:-1] and y = window[1:], with the
 targets at [PAD] positions set to IGNORE_INDEX so the loss skips them. Every token after
-[BOT] is thus a target exactly once. The corpus is tokenized once with `datasets.map`,
-which caches the result on disk: later epochs, later runs and the other ranks of a DDP job
-read the cache.
+[BOT] is thus a target exactly once. A run cuts its corpus once, with `datasets.map`,
+which caches the windows on disk (training/tokenized.py): later epochs, later runs and the
+other ranks of a DDP job read the cache. This file imports nothing from training/: the
+machinery calls the lesson, never the reverse.
 
 With --pack, the same windows are placed several to a row (packing.py), each with its own
 positions, so that a row is mostly tokens rather than padding.
 """
 
-import contextlib
 import functools
 import hashlib
 import itertools
 import json
-import os
 import re
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -24,14 +23,10 @@ from typing import NamedTuple
 import datasets
 import numpy as np
 import pyarrow.compute
-import tokenizers
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from model import IGNORE_INDEX
-from training import caches, corpus
-from training.errors import UsageError, first_line, warn
-from training.launch import usable_cores
 
 PAD, BOT, EOT = "[PAD]", "[BOT]", "[EOT]"
 SPECIAL_TOKENS = [PAD, BOT, EOT]
@@ -97,35 +92,6 @@ def train_tokenizer(texts: datasets.Dataset | datasets.IterableDataset, vocab_si
     return tokenizer
 
 
-def load_tokenizer(path: str, config=None) -> Tokenizer:
-    """A tokenizer.json, checked: ids from 0 up without gaps, and the special tokens there that
-    the model (config: its model.LlamaConfig) frames documents with: ours, or an imported model's."""
-    text = corpus.read_text(path, "tokenizer", 2**30)  # a regular file (of at most a GiB: 50,000 tokens take 4 MB)
-    try:
-        tokenizer = Tokenizer.from_str(text)
-    except Exception as e:
-        raise UsageError(f"cannot load tokenizer {path}: {first_line(e)}") from None
-    # The model has one embedding row per token, ids 0 to size - 1: a larger id would fail
-    # mid-training (an index out of range), and a huge one makes to_str() build a list that long.
-    largest = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
-    if largest >= tokenizer.get_vocab_size():
-        raise UsageError(f"tokenizer {path} has {tokenizer.get_vocab_size():,} tokens but ids up to {largest:,}: "
-                         "a tokenizer whose ids have gaps is not supported (ids must run from 0 to its size - 1)")
-    if config is not None and config.bos_token_id is not None:  # an imported model's ids
-        missing = [t for t in (config.bos_token_id, config.eos_token_id) if tokenizer.id_to_token(t) is None]
-    else:
-        missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
-    if missing:
-        raise UsageError(f"tokenizer {path} lacks the special tokens {', '.join(map(str, missing))}")
-    model = json.loads(tokenizer.to_str())["model"]
-    unknown = model.get("unk_token")
-    if model["type"] in ("WordLevel", "WordPiece") and tokenizer.token_to_id(unknown or "") is None:
-        # it would fail on the first word outside its vocabulary, mid-tokenization
-        raise UsageError(f"tokenizer {path} is a {model['type']} tokenizer without its unknown token "
-                         f"({unknown!r} is not in its vocabulary): it cannot encode words it has not seen")
-    return tokenizer
-
-
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     """A hash of which token each id stands for, special tokens included: two tokenizers of one
     size can still give a text other ids. (Of the vocabulary, not of tokenizer.json's text,
@@ -154,7 +120,7 @@ def clip_is_exact(tokenizer: Tokenizer) -> bool:
 
 # A space, tab or newline right after a non-whitespace character. (Only these four: Python's
 # \s also matches a few control characters that the tokenizer's own regex does not.)
-_CUT = re.compile(r"(?<=\S)[ \t\n\r]")
+CUT = re.compile(r"(?<=\S)[ \t\n\r]")
 
 
 def clip_text(text: str, chars: int, pre_tokenizer=None) -> tuple[str, bool]:
@@ -167,7 +133,7 @@ def clip_text(text: str, chars: int, pre_tokenizer=None) -> tuple[str, bool]:
     if len(text) <= chars:
         return text, True
     end = 2 * chars
-    cut = _CUT.search(text, chars, end)
+    cut = CUT.search(text, chars, end)
     if cut:
         return text[:cut.start()], True
     if len(text) <= end:
@@ -209,7 +175,7 @@ def document_windows(text: str, tokenizer: Tokenizer, seq_len: int, exact_cuts: 
     longer than 2 x PIECE_CHARS is encoded in pieces cut where no token changes (see clip_text;
     with a tokenizer that could change one there, exact_cuts is False and the caller has
     warned), so its memory stays that of a piece. `ids`: a short document's ids, where the
-    caller encoded it already (_encode). `tokenizer` encodes special tokens as text (text_only)."""
+    caller encoded it already (batch_windows). `tokenizer` encodes special tokens as text (text_only)."""
     if ids is None:  # pieces, 16 at a time: each group's encodings freed before the next
         cut = (iter([text]) if len(text) <= 2 * PIECE_CHARS
                else pieces(text, PIECE_CHARS, tokenizer.pre_tokenizer if exact_cuts else None))
@@ -221,9 +187,10 @@ def document_windows(text: str, tokenizer: Tokenizer, seq_len: int, exact_cuts: 
     return [framed[start:start + seq_len + 1] for start in range(0, len(framed) - 1, seq_len)]
 
 
-def _encode(batch, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool, specials: SpecialIds | None = None):
+def batch_windows(batch, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool, specials: SpecialIds | None = None):
     """Every document of a batch cut into its windows (document_windows), the short ones
-    encoded together: on all of the tokenizer's threads where tokenize runs one process."""
+    encoded together: on all of the tokenizer's threads where the corpus is mapped by one
+    process (training/tokenized.py maps this function over it)."""
     tokenizer.encode_special_tokens = True  # text is text (see text_only); lost when pickled to a worker
     texts = batch["text"]
     short = [i for i, t in enumerate(texts) if len(t) <= 2 * PIECE_CHARS]
@@ -232,64 +199,6 @@ def _encode(batch, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool, special
     return {"input_ids": [window for i, text in enumerate(texts)
                           for window in document_windows(text, tokenizer, seq_len, exact_cuts, ids.pop(i, None),
                                                          specials)]}
-
-
-def tokenize(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int,
-             specials: SpecialIds | None = None) -> datasets.Dataset:
-    """Frame every document and cut it into windows of seq_len + 1 tokens, once: `datasets`
-    caches the result on disk, under a key of everything that decides it (the documents, the
-    tokenizer and its library's version, seq_len, this file's encoding code and constants),
-    and what the cache gives back is checked before it is used (caches.cached_map: each
-    window 2 to seq_len + 1 tokens). Large corpora are split over one process per core, each
-    encoding with one thread."""
-    specials = specials or special_ids(tokenizer)  # ours, unless an imported model's are given
-    tokenizer = text_only(tokenizer)
-    exact_cuts = clip_is_exact(tokenizer)
-    if not exact_cuts and _longest(texts) > 2 * PIECE_CHARS:
-        warn(f"documents longer than {2 * PIECE_CHARS:,} characters are encoded in pieces cut before "
-             "whitespace, and this tokenizer (not a byte-level BPE) may encode a few characters at each cut "
-             "differently from the whole text")
-    num_proc = min(usable_cores(), len(texts) // 5000)
-    # token ids in the narrowest type that holds them: 2 bytes each below 65,536 (8 as Python ints)
-    ids = datasets.Value("uint16" if tokenizer.get_vocab_size() <= 2**16 else "uint32")
-    key = datasets.fingerprint.Hasher.hash([texts._fingerprint, tokenizer.to_str(), tokenizers.__version__, seq_len,
-                                            ENCODING_CODE, PIECE_CHARS, _CUT.pattern, *specials[:2]])
-    with tokenizer_threads(1 if num_proc > 1 else None):
-        return caches.cached_map(
-            texts, key, "the cached windows", "tokenizing the corpus again",
-            lambda windows: caches.wrong_windows(window_targets(windows), seq_len),
-            function=_encode, batched=True, remove_columns=["text"], num_proc=num_proc if num_proc > 1 else None,
-            fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "exact_cuts": exact_cuts, "specials": specials},
-            features=datasets.Features({"input_ids": datasets.Sequence(ids)}), desc="tokenizing")
-
-
-# The code that cuts documents into windows, in the windows' cache key: edited, it may cut otherwise
-ENCODING_CODE = caches.code_hash(_encode, document_windows, pieces, clip_text)
-
-
-def _longest(texts: datasets.Dataset) -> int:
-    """The longest document's characters, from the Arrow column (no Python strings)."""
-    lengths = pyarrow.compute.utf8_length(texts.with_format("arrow")[:]["text"])  # these documents only
-    return pyarrow.compute.max(lengths).as_py() or 0
-
-
-@contextlib.contextmanager
-def tokenizer_threads(threads: int | None):
-    """With one process per core, each process's tokenizer uses one thread. Setting
-    TOKENIZERS_PARALLELISM before `datasets` forks the processes also keeps `tokenizers`
-    from warning that it was forked after using its threads (to train the BPE)."""
-    if threads is None:
-        yield
-        return
-    before = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["TOKENIZERS_PARALLELISM"]
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
 # ---------------------------------------------------------------------------------------
@@ -315,9 +224,9 @@ class PaddedSequenceDataset(torch.utils.data.Dataset):
     corpus: dict | None = None  # the fingerprint of the corpus it was cut from; checkpoints record it
     documents: int | None = None  # how many documents the windows were cut from
     text_bytes: int | None = None  # the UTF-8 bytes of their text (for bits per byte)
-
-    def __post_init__(self):
-        self.read_back = caches.ReadBack(self.rows, "the cached windows")  # checked before each batch is read
+    # The files under `rows`, checked before each batch is read and named when a window is
+    # damaged: a run's is training/caches.py's ReadBack. None: nothing to check (rows in memory).
+    read_back: object = None
 
     def __len__(self):
         return len(self.rows)
@@ -359,20 +268,28 @@ class PaddedSequenceDataset(torch.utils.data.Dataset):
     def read_windows(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The windows `indices` of self.rows: where each begins among their tokens (and where the
         last ends), and their tokens one after another. Checked as they are read: a cache file
-        changed in place since it was opened (caches.ReadBack), or a window outside 2 to
-        seq_len + 1 tokens, is damaged data, one line naming the file, never trained on (a
-        window of zeros has no target: whole batches of them made the loss 0 / 0)."""
-        self.read_back.check()
+        changed in place since it was opened (read_back), or a window outside 2 to seq_len + 1
+        tokens, is damaged data, one line naming the file, never trained on (a window of zeros
+        has no target: whole batches of them made the loss 0 / 0)."""
+        if self.read_back is not None:
+            self.read_back.check()
         try:
             column = self.rows.with_format("arrow")[indices]["input_ids"].combine_chunks()
         except (pyarrow.ArrowException, IndexError) as e:
-            raise self.read_back.damaged(first_line(e)) from None
+            raise self.damaged(e) from None
         starts = column.offsets.to_numpy()
         lengths = np.diff(starts)  # tokens in each window, [BOT] and [EOT] included
         if not ((lengths >= 2) & (lengths <= self.seq_len + 1)).all():
             wrong = lengths[(lengths < 2) | (lengths > self.seq_len + 1)][0]
-            raise self.read_back.damaged(f"a window of {wrong} tokens (each holds 2 to {self.seq_len + 1})")
+            raise self.damaged(f"a window of {wrong} tokens (each holds 2 to {self.seq_len + 1})")
         return starts, column.flatten().to_numpy()
+
+    def damaged(self, problem: str | Exception) -> Exception:
+        """The error for windows read back damaged: read_back's, which names their files, or else
+        a ValueError saying the problem."""
+        if self.read_back is None:
+            return ValueError(f"damaged windows: {problem}")
+        return self.read_back.damaged(problem)
 
     def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return padded_rows(*self.read_windows(indices), self.seq_len, self.pad_id)

@@ -305,8 +305,7 @@ def main():
     args = parse_args()
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     import datasets
-    import data
-    from training import config, launch
+    from training import config, launch, tokenized
     datasets.logging.set_verbosity_error()
 
     path = prepared_corpus(args)
@@ -317,7 +316,7 @@ def main():
           f"--seq-len {args.seq_len} | BPE of {args.vocab_size:,} tokens", flush=True)
 
     tokenizer_path = bpe(path, args.vocab_size, texts)
-    tokenizer = data.load_tokenizer(tokenizer_path)
+    tokenizer = tokenized.load_tokenizer(tokenizer_path)
     cfg = config.parse_args(["--dataset", str(path), "--seq-len", str(args.seq_len), "--model", "article",
                                "--tokenizer", str(tokenizer_path)])
 

@@ -50,8 +50,7 @@ def parse_args(argv=None):
 def prepare(path, tokenizer_path, seq_len, pack):
     """The training rows as the trainers make them, on a fresh cache: (seconds, of which packing's, train)."""
     from benchmarks import bench_data
-    import data
-    from training import config, packing, run_data
+    from training import config, packing, run_data, tokenized
     cfg = config.parse_args(["--dataset", str(path), "--seq-len", str(seq_len), "--tokenizer", str(tokenizer_path),
                                *(["--pack"] if pack else [])])
     bench_data.fresh_cache()
@@ -65,7 +64,7 @@ def prepare(path, tokenizer_path, seq_len, pack):
     packing.pack = timed_pack
     try:
         start = time.perf_counter()
-        train = run_data.Corpus(cfg).training_rows(data.load_tokenizer(tokenizer_path))
+        train = run_data.Corpus(cfg).training_rows(tokenized.load_tokenizer(tokenizer_path))
         return time.perf_counter() - start, sum(timings), train
     finally:
         packing.pack = real_pack
@@ -168,14 +167,13 @@ def main():
     import datasets
     import torch
     from benchmarks import bench_data
-    import data
-    from training import metrics
+    from training import metrics, tokenized
     datasets.logging.set_verbosity_error()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
     path = bench_data.prepared_corpus(args)
     tokenizer_path = bench_data.bpe(path, args.vocab_size)  # bench_data.py's, trained once
-    vocab_size = data.load_tokenizer(tokenizer_path).get_vocab_size()
+    vocab_size = tokenized.load_tokenizer(tokenizer_path).get_vocab_size()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"{path.name} | BPE of {vocab_size:,} | {where} | torch {torch.__version__} | --model {args.model}, "
           f"{args.batch_size} rows a step", flush=True)

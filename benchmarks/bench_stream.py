@@ -11,7 +11,7 @@
 
 The corpus is bench_data.py's (generated once, FineWeb's shape: log-normal document lengths,
 median about 1,800 characters) with its 50,000-token BPE. Its documents, in the file's order,
-are tokenized and cut into windows as data.py cuts them (data.tokenize); then, for each
+are tokenized and cut into windows as data.py cuts them (training/tokenized.py); then, for each
 --seq-len, the same windows are placed in rows of that many positions:
   offline       packing.best_fit_decreasing over every window's size at once: --pack today
   online N      training/stream/packer.py's OnlinePacker with N rows open (--open-rows), the
@@ -78,15 +78,15 @@ def parse_args(argv=None):
 
 
 def stream_windows(texts: list[str], tokenizer, seq_len: int) -> list:
-    """The documents' windows in their order, each an array of token ids, cut by data.tokenize
+    """The documents' windows in their order, each an array of token ids, cut by tokenized.tokenize
     (on a `datasets` cache of its own, removed after)."""
     import datasets
     import numpy as np
     from benchmarks import bench_data
-    import data
+    from training import tokenized
     cache = bench_data.fresh_cache()
     try:
-        windows = data.tokenize(datasets.Dataset.from_dict({"text": texts}), tokenizer, seq_len)
+        windows = tokenized.tokenize(datasets.Dataset.from_dict({"text": texts}), tokenizer, seq_len)
         column = windows.with_format("arrow")[:]["input_ids"].combine_chunks()
         return np.split(column.flatten().to_numpy(), column.offsets.to_numpy()[1:-1])
     finally:
@@ -116,13 +116,13 @@ def sub_stream_rows_per_s(path: Path, tokenizer, seq_len: int, pack: bool, secon
     """Rows a second of one sub-stream of the corpus, on one core: as many as `seconds` allow,
     or all of them."""
     import torch
-    import data
     from benchmarks.stream_state import one_sub_stream
+    from training import tokenized
     rows = one_sub_stream(path, tokenizer, seq_len, pack)
     threads, made = torch.get_num_threads(), 0
     torch.set_num_threads(1)
     try:
-        with data.tokenizer_threads(1):
+        with tokenized.tokenizer_threads(1):
             start = time.perf_counter()
             for made, _ in enumerate(rows, start=1):
                 if time.perf_counter() - start > seconds:
@@ -211,7 +211,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import datasets
     from benchmarks import bench_data, stream_state
-    import data
+    from training import tokenized
     datasets.logging.set_verbosity_error()
     datasets.disable_progress_bars()
 
@@ -225,7 +225,7 @@ def main(argv=None) -> dict:
         results["launch"] = stream_launch.table(args, bench_data.bpe(path, args.vocab_size, texts))
     if not {"packer", "loader", "checkpoint", "integrity"} & set(args.sections):
         return results
-    tokenizer = data.load_tokenizer(bench_data.bpe(path, args.vocab_size, texts))
+    tokenizer = tokenized.load_tokenizer(bench_data.bpe(path, args.vocab_size, texts))
     print(f"{path.name}: {len(texts):,} documents, {sum(len(t.encode()) for t in texts) / 1e6:.0f} MB of text | "
           f"BPE of {tokenizer.get_vocab_size():,} tokens", flush=True)
     if "loader" in args.sections:

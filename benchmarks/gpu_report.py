@@ -191,14 +191,14 @@ def make_layouts(args, out: Path, device) -> dict:
     """A FineWeb-shaped corpus (bench_data.py's generator) of --mb MB and its BPE, made in the report's
     folder, and warm-up + timed batches of each layout: padded (one window a row) and packed (--pack)."""
     import datasets
-    import data
     from benchmarks import bench_data, bench_packing
+    from training import tokenized
     datasets.logging.set_verbosity_error()
     path = out / "corpus" / f"fineweb_like_{args.mb}mb.parquet"
     path.parent.mkdir(parents=True)
     bench_data.generate(path, args.mb)
     tokenizer_path = bench_data.bpe(path, args.vocab_size)
-    layouts = {"vocab_size": data.load_tokenizer(tokenizer_path).get_vocab_size(), "corpus": path,
+    layouts = {"vocab_size": tokenized.load_tokenizer(tokenizer_path).get_vocab_size(), "corpus": path,
                "tokenizer": tokenizer_path}
     for name in ("padded", "packed"):
         train = bench_packing.prepare(path, tokenizer_path, args.seq_len, name == "packed")[2]

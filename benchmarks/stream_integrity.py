@@ -27,11 +27,11 @@ TABLE_PIECES = 12_500
 
 def _one_core(fn):
     import torch
-    import data
+    from training import tokenized
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with data.tokenizer_threads(1):
+        with tokenized.tokenizer_threads(1):
             return fn()
     finally:
         torch.set_num_threads(threads)

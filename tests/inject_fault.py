@@ -218,11 +218,11 @@ if "slow-tokenizing" in faults and armed:
         time.sleep(600)  # the work itself is slow: nothing waits on it
         return {"input_ids": [[0]] * len(batch["text"])}
 
-    # pickled to the workers by name, as data._encode (by value, a function of this script would
-    # drag its globals along), and found there patched: they are forked from this process
-    slow_encode.__module__, slow_encode.__qualname__ = "data", "_encode"
-    patch(os, "sched_getaffinity", lambda pid: {0, 1})  # data.tokenize: one process per core
-    patch(data, "_encode", slow_encode)
+    # pickled to the workers by name, as data.batch_windows (by value, a function of this script
+    # would drag its globals along), and found there patched: they are forked from this process
+    slow_encode.__module__, slow_encode.__qualname__ = "data", "batch_windows"
+    patch(os, "sched_getaffinity", lambda pid: {0, 1})  # tokenized.tokenize: one process per core
+    patch(data, "batch_windows", slow_encode)
 
 if "diverge-mid-save" in faults and armed:
     from torch.distributed.checkpoint import FileSystemWriter

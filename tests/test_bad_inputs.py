@@ -479,10 +479,11 @@ def test_resuming_with_the_runs_tokenizer_edited_is_refused(runs, tmp_path, caps
     """The run's own tokenizer.json, its special tokens' ids swapped: resumed, the model would
     go on training on other ids for the same text. config.json's fingerprint refuses it."""
     import data
+    from training import tokenized
     out = runs.copy(runs("dp", "train_dp.py"), tmp_path / "run")
-    before = data.load_tokenizer(out / "tokenizer.json")
+    before = tokenized.load_tokenizer(out / "tokenizer.json")
     swap_special_token_ids(out / "tokenizer.json")
-    edited = data.load_tokenizer(out / "tokenizer.json")
+    edited = tokenized.load_tokenizer(out / "tokenizer.json")
     assert edited.get_vocab_size() == before.get_vocab_size()
     assert edited.token_to_id(data.SPECIAL_TOKENS[0]) == before.token_to_id(data.SPECIAL_TOKENS[1])
     refused_in_process("train_dp.py", ["--dataset", str(runs.corpus), *FAST_WITH_TOKENIZER, "--resume"], out,

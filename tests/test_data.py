@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 import data
 from data import BOT, EOT, PAD, PaddedSequenceDataset, ResumableDistributedSampler, ResumableRandomSampler
 from model import IGNORE_INDEX
-from training import corpus
+from training import caches, corpus, tokenized
 from training.errors import RankError, UsageError
 
 DOCS = ["def add(a, b):\n    return a + b", "héllo wörld — ünïcode ✓", "x = [i * i for i in range(10)]"]
@@ -59,7 +59,7 @@ def test_a_batch_is_read_at_once_and_equals_its_rows_read_one_at_a_time():
     lengths = [2, 17, 5, 3, 9, 17, 11] * 6
     ids = [[1, *torch.randint(3, 60_000, (n - 2,), generator=g).tolist(), 2] for n in lengths]
     stored = datasets.Dataset.from_dict({"input_ids": ids}, features=datasets.Features(
-        {"input_ids": datasets.Sequence(datasets.Value("uint16"))}))  # as data.tokenize stores them
+        {"input_ids": datasets.Sequence(datasets.Value("uint16"))}))  # as tokenized.tokenize stores them
     # an index mapping, as a split or a shuffle leaves: rows read through it, not in storage order
     ds = PaddedSequenceDataset(stored.shuffle(seed=0).select(range(35)), seq_len=16, pad_id=0)
     order = torch.randperm(len(ds), generator=g).tolist()
@@ -78,7 +78,7 @@ def test_a_batch_is_read_at_once_and_equals_its_rows_read_one_at_a_time():
 def test_token_ids_are_stored_in_the_narrowest_type_that_holds_the_vocabulary(vocab_size, stored, monkeypatch):
     tokenizer = data.train_tokenizer(datasets.Dataset.from_dict({"text": DOCS * 20}), vocab_size=300)
     monkeypatch.setattr(type(tokenizer), "get_vocab_size", lambda self, with_added_tokens=True: vocab_size)
-    framed = data.tokenize(datasets.Dataset.from_dict({"text": DOCS}), tokenizer, seq_len=16)
+    framed = tokenized.tokenize(datasets.Dataset.from_dict({"text": DOCS}), tokenizer, seq_len=16)
     assert framed.features["input_ids"].feature.dtype == stored
 
 
@@ -86,17 +86,17 @@ def test_a_document_longer_than_seq_len_is_cut_into_windows_that_overlap_by_one_
     text = " ".join(DOCS)
     texts = datasets.Dataset.from_dict({"text": [text]})
     framed = [tokenizer.token_to_id(BOT), *tokenizer.encode(text).ids, tokenizer.token_to_id(EOT)]
-    windows = data.tokenize(texts, tokenizer, seq_len=8)["input_ids"]
+    windows = tokenized.tokenize(texts, tokenizer, seq_len=8)["input_ids"]
     assert windows[0] == framed[:9] and len(windows) == -(-(len(framed) - 1) // 8)
     assert all(len(w) == 9 for w in windows[:-1]) and 2 <= len(windows[-1]) <= 9  # only the last one short
     assert all(a[-1] == b[0] for a, b in zip(windows, windows[1:]))  # each begins where the one before ends
-    ds = PaddedSequenceDataset(data.tokenize(texts, tokenizer, 8), 8, 0)
+    ds = PaddedSequenceDataset(tokenized.tokenize(texts, tokenizer, 8), 8, 0)
     targets = [t for i in range(len(ds)) for t in ds[i][1].tolist() if t != IGNORE_INDEX]
     assert targets == framed[1:]  # every token after [BOT] a target, once: the last window padded
 
 
 def test_tokenize_frames_every_document_with_bot_and_eot(tokenizer):
-    framed = data.tokenize(datasets.Dataset.from_dict({"text": DOCS}), tokenizer, seq_len=512)
+    framed = tokenized.tokenize(datasets.Dataset.from_dict({"text": DOCS}), tokenizer, seq_len=512)
     for text, ids in zip(DOCS, framed["input_ids"]):
         assert ids[0] == tokenizer.token_to_id(BOT) and ids[-1] == tokenizer.token_to_id(EOT)
         assert tokenizer.decode(ids[1:-1]) == text
@@ -107,7 +107,7 @@ def test_tokenizer_round_trip_and_special_tokens(tokenizer, tmp_path):
     for text in DOCS + ["never seen: 日本語 and tabs\t\n"]:  # byte-level: nothing is unknown
         assert tokenizer.decode(tokenizer.encode(text).ids) == text
     tokenizer.save(str(tmp_path / "tok.json"))
-    assert data.load_tokenizer(tmp_path / "tok.json").to_str() == tokenizer.to_str()
+    assert tokenized.load_tokenizer(tmp_path / "tok.json").to_str() == tokenizer.to_str()
 
 
 def test_tokenizer_without_special_tokens_is_refused(tmp_path):
@@ -117,15 +117,15 @@ def test_tokenizer_without_special_tokens_is_refused(tmp_path):
     plain.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=300, show_progress=False))
     plain.save(str(tmp_path / "plain.json"))
     with pytest.raises(UsageError, match=r"lacks the special tokens \[PAD\], \[BOT\], \[EOT\]"):
-        data.load_tokenizer(tmp_path / "plain.json")
+        tokenized.load_tokenizer(tmp_path / "plain.json")
 
 
 def test_tokenizing_happens_once_and_is_read_back_from_the_cache(tokenizer, tmp_path):
     (tmp_path / "c.txt").write_text("\n".join(DOCS) + "\n")
     texts = corpus.load_corpus(str(tmp_path / "c.txt"))
-    first = data.tokenize(texts, tokenizer, seq_len=16)
+    first = tokenized.tokenize(texts, tokenizer, seq_len=16)
     written = [os.stat(f["filename"]) for f in first.cache_files]
-    second = data.tokenize(texts, tokenizer, seq_len=16)  # what the other ranks do
+    second = tokenized.tokenize(texts, tokenizer, seq_len=16)  # what the other ranks do
     assert first.cache_files and first.cache_files == second.cache_files
     # read back, not computed again: the cache file is the same file, unwritten since
     assert [(st.st_ino, st.st_mtime_ns) for st in map(os.stat, (f["filename"] for f in second.cache_files))] == \
@@ -138,7 +138,7 @@ def cached_windows(tokenizer, tmp_path):
     """Documents, and their windows at seq_len 16 as `datasets` caches them: (texts, windows, the cache file)."""
     (tmp_path / "c.txt").write_text("\n".join(DOCS * 3) + "\n")
     texts = corpus.load_corpus(str(tmp_path / "c.txt"))
-    windows = data.tokenize(texts, tokenizer, seq_len=16)
+    windows = tokenized.tokenize(texts, tokenizer, seq_len=16)
     return texts, list(windows["input_ids"]), windows.cache_files[0]["filename"]  # a copy: the file is damaged
 
 
@@ -166,10 +166,10 @@ def test_a_damaged_windows_cache_is_tokenized_again_with_a_warning_naming_it(tok
     and said."""
     texts, windows, path = cached_windows
     damage(windows, path)
-    assert list(data.tokenize(texts, tokenizer, seq_len=16)["input_ids"]) == windows
+    assert list(tokenized.tokenize(texts, tokenizer, seq_len=16)["input_ids"]) == windows
     err = capsys.readouterr().err
     assert f"warning: the cached windows {path} {problem}" in err and "tokenizing the corpus again" in err
-    assert list(data.tokenize(texts, tokenizer, seq_len=16)["input_ids"]) == windows and not capsys.readouterr().err
+    assert list(tokenized.tokenize(texts, tokenizer, seq_len=16)["input_ids"]) == windows and not capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)  # without the check, the FIFO's read blocked forever (and SIGTERM, SIGINT with it)
@@ -181,24 +181,24 @@ def test_a_windows_cache_that_is_not_a_regular_file_is_one_line_and_left_as_it_i
     os.unlink(path)
     os.mkfifo(path) if kind == "fifo" else os.mkdir(path)
     with pytest.raises(UsageError) as refused:
-        data.tokenize(texts, tokenizer, seq_len=16)
+        tokenized.tokenize(texts, tokenizer, seq_len=16)
     assert str(refused.value) == (f"the cached windows {path} is not a regular file (a FIFO, a device or a folder): "
                                   "replace it with the file it should be, or remove it")
     assert (stat.S_ISFIFO if kind == "fifo" else stat.S_ISDIR)(os.stat(path).st_mode)
     os.unlink(path) if kind == "fifo" else shutil.rmtree(path)
-    assert list(data.tokenize(texts, tokenizer, seq_len=16)["input_ids"]) == windows  # removed: tokenized again
+    assert list(tokenized.tokenize(texts, tokenizer, seq_len=16)["input_ids"]) == windows  # removed: tokenized again
 
 
 @pytest.fixture
 def windows_of_two_processes(tokenizer, tmp_path, monkeypatch):
-    """10,000 documents tokenized by 2 processes (data.tokenize's split, on any machine), as
+    """10,000 documents tokenized by 2 processes (tokenized.tokenize's split, on any machine), as
     `datasets` caches them: a file a process, cache-KEY_00000_of_00002.arrow and _00001_of_00002.
     (texts, windows, the cache files)."""
-    monkeypatch.setattr(data, "usable_cores", lambda: 2)
+    monkeypatch.setattr(tokenized, "usable_cores", lambda: 2)
     (tmp_path / "c.txt").write_text("".join(f"document {i} of the corpus, read by one of two processes\n"
                                             for i in range(10_000)))
     texts = corpus.load_corpus(str(tmp_path / "c.txt"))
-    windows = data.tokenize(texts, tokenizer, seq_len=16)
+    windows = tokenized.tokenize(texts, tokenizer, seq_len=16)
     files = [f["filename"] for f in windows.cache_files]
     assert [f[f.rindex("_", 0, f.rindex("_of_")):] for f in files] == ["_00000_of_00002.arrow", "_00001_of_00002.arrow"]
     return texts, list(windows["input_ids"]), files
@@ -245,13 +245,13 @@ def test_a_cache_file_of_one_of_several_processes_that_is_not_a_regular_file_is_
         os.symlink("/dev/zero", path)
     with never_blocking(path) if kind == "fifo" else contextlib.nullcontext():
         with pytest.raises(UsageError) as refused:
-            data.tokenize(texts, tokenizer, seq_len=16)
+            tokenized.tokenize(texts, tokenizer, seq_len=16)
     assert str(refused.value) == (f"the cached windows {path} is not a regular file (a FIFO, a device or a folder): "
                                   "replace it with the file it should be, or remove it")
     made = {"fifo": stat.S_ISFIFO, "folder": stat.S_ISDIR, "link-to-dev-zero": stat.S_ISLNK}[kind]
     assert made(os.lstat(path).st_mode) and os.path.isfile(files[0])
     os.rmdir(path) if kind == "folder" else os.unlink(path)
-    assert list(data.tokenize(texts, tokenizer, seq_len=16)["input_ids"]) == windows  # removed: tokenized again
+    assert list(tokenized.tokenize(texts, tokenizer, seq_len=16)["input_ids"]) == windows  # removed: tokenized again
 
 
 @pytest.mark.parametrize("window", [[1], [], [1, *range(3, 20)]], ids=["one-token", "empty", "over-seq-len"])
@@ -259,21 +259,26 @@ def test_a_window_read_back_without_a_target_or_too_long_is_damaged_data_in_one_
     """A window cut from a document holds 2 to seq_len + 1 tokens. One read back otherwise (a
     cache zeroed or rewritten under the run) is damaged data, said by the rank that reads it,
     never a batch of rows without targets (whole batches of them made the loss 0 / 0: "training
-    diverged ... lower --lr")."""
-    ds = PaddedSequenceDataset(rows([1, 10, 2], window, [1, 11, 2]), seq_len=8, pad_id=0)
+    diverged ... lower --lr"). A run's dataset says it through the read_back it is given, which
+    names the cache; data.py's alone, without one, still refuses the window."""
+    windows = rows([1, 10, 2], window, [1, 11, 2])
+    ds = PaddedSequenceDataset(windows, seq_len=8, pad_id=0, read_back=caches.ReadBack(windows, "the cached windows"))
     assert [y.tolist()[:2] for _, y in ds.__getitems__([0, 2])] == [[10, 2], [11, 2]]
     with pytest.raises(RankError) as damaged:
         ds.__getitems__([0, 1, 2])
     assert str(damaged.value) == (f"damaged data in the cached windows (in memory): a window of {len(window)} tokens "
                                   "(each holds 2 to 9). Remove that cache (`datasets` makes it again) and run again "
                                   "with --resume")
+    with pytest.raises(ValueError) as unnamed:
+        PaddedSequenceDataset(windows, seq_len=8, pad_id=0).__getitems__([0, 1, 2])
+    assert str(unnamed.value) == f"damaged windows: a window of {len(window)} tokens (each holds 2 to 9)"
 
 
 def test_special_token_lookalikes_in_a_document_are_text(tokenizer):
     """Only the framing makes [BOT] and [EOT]: a document that spells them out is encoded as text."""
     special = {tokenizer.token_to_id(t) for t in (PAD, BOT, EOT)}
     doc = "before [PAD] middle [BOT][EOT] after"
-    framed = data.tokenize(datasets.Dataset.from_dict({"text": [doc]}), tokenizer, seq_len=128)["input_ids"][0]
+    framed = tokenized.tokenize(datasets.Dataset.from_dict({"text": [doc]}), tokenizer, seq_len=128)["input_ids"][0]
     assert framed[0] == tokenizer.token_to_id(BOT) and framed[-1] == tokenizer.token_to_id(EOT)
     assert not special & set(framed[1:-1])
     assert tokenizer.decode(framed[1:-1]) == doc
@@ -337,7 +342,7 @@ def test_every_token_of_every_document_is_a_target_once(seq_len, monkeypatch):
     texts = hostile_texts(600) + unbroken + [" ".join(["the model reads tokens"] * 200)] + DOCS
     tokenizer = data.train_tokenizer(datasets.Dataset.from_dict({"text": texts}), vocab_size=400)
     assert data.clip_is_exact(tokenizer) and max(map(len, texts)) > 2_016
-    windows = data.tokenize(datasets.Dataset.from_dict({"text": texts}), tokenizer, seq_len)["input_ids"]
+    windows = tokenized.tokenize(datasets.Dataset.from_dict({"text": texts}), tokenizer, seq_len)["input_ids"]
     assert windows == windows_of_whole_documents(texts, tokenizer, seq_len)
     encoded = data.text_only(tokenizer).encode_batch(texts, add_special_tokens=False)
     assert len(windows) == sum(-(-(len(e.ids) + 1) // seq_len) for e in encoded)  # ceil(targets / seq_len)
@@ -364,10 +369,10 @@ def test_a_huge_document_is_encoded_in_pieces_never_whole(tokenizer, monkeypatch
     huge = " ".join(["gradients flow back through every layer"] * 2_000)  # 80 pieces' worth
     minified = json.dumps([{"layer": i, "grad": [0.5, 1.5]} for i in range(2_000)], separators=(",", ":"))
     letters = "abcdefgh" * 10_000  # one piece: no cut between two tokens is known to be exact
-    windows = data._encode({"text": [huge, minified, DOCS[0]]}, Recording(), seq_len=512, exact_cuts=True)["input_ids"]
+    windows = data.batch_windows({"text": [huge, minified, DOCS[0]]}, Recording(), seq_len=512, exact_cuts=True)["input_ids"]
     assert [w.tolist() for w in windows] == windows_of_whole_documents([huge, minified, DOCS[0]], tokenizer, 512)
     assert max(seen) <= 2 * data.PIECE_CHARS + 16  # never a whole document
-    windows = data._encode({"text": [letters]}, Recording(), seq_len=512, exact_cuts=True)["input_ids"]
+    windows = data.batch_windows({"text": [letters]}, Recording(), seq_len=512, exact_cuts=True)["input_ids"]
     ids = [t for w in windows for t in w.tolist()[1:]]
     assert tokenizer.decode(ids[:-1]) == letters and max(seen) <= 2 * data.PIECE_CHARS + 16
 
@@ -414,10 +419,10 @@ def test_a_tokenizer_that_cutting_could_change_encodes_documents_whole_or_says_s
     lowercase.normalizer = normalizers.Lowercase()
     assert not data.clip_is_exact(lowercase)
     long_docs = [" ".join(DOCS * 30)] * 3  # 3,000 characters
-    windows = data.tokenize(datasets.Dataset.from_dict({"text": long_docs}), lowercase, 8)["input_ids"]
+    windows = tokenized.tokenize(datasets.Dataset.from_dict({"text": long_docs}), lowercase, 8)["input_ids"]
     assert windows == windows_of_whole_documents(long_docs, lowercase, 8) and capsys.readouterr().err == ""
     monkeypatch.setattr(data, "PIECE_CHARS", 1_000)
-    data.tokenize(datasets.Dataset.from_dict({"text": long_docs}), lowercase, 8)
+    tokenized.tokenize(datasets.Dataset.from_dict({"text": long_docs}), lowercase, 8)
     assert capsys.readouterr().err.startswith("warning: documents longer than 2,000 characters are encoded in pieces")
 
 
@@ -427,7 +432,7 @@ def test_a_large_corpus_is_tokenized_by_one_process_per_core_with_the_same_resul
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     texts = [f"document {i}: " + DOCS[i % 3].replace("\n", " ") for i in range(12_000)]
     (tmp_path / "c.txt").write_text("\n".join(texts) + "\n")
-    framed = data.tokenize(corpus.load_corpus(str(tmp_path / "c.txt")), tokenizer, seq_len=16)
+    framed = tokenized.tokenize(corpus.load_corpus(str(tmp_path / "c.txt")), tokenizer, seq_len=16)
     assert len(framed.cache_files) == 2  # one cache file per process
     assert framed["input_ids"] == windows_of_whole_documents(texts, tokenizer, 16)
 

@@ -20,7 +20,7 @@ from test_bad_inputs import refused_in_process
 from test_failures import RunsCode, exit_codes, fault_env
 from test_using_the_model import config_asking_for, expected_text
 from tools import export_hf, generate
-from training import config, run_data, weights
+from training import config, run_data, tokenized, weights
 from training.errors import UsageError
 
 # Clipping is the one place where FSDP adds up in another order than DDP: it takes each
@@ -541,8 +541,8 @@ def test_every_rank_of_train_fsdp_runs_as_many_evaluation_forwards(runs):
     out, spies = spied(runs, "fsdp2_accum4", "train_fsdp.py", ["--grad-accum", "4", "--timeout-minutes", "1"], nproc=2)
     cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST, "--out-dir", str(out)])
     _, val_text, _ = run_data.load_text(cfg)
-    tokenizer = data.load_tokenizer(out / "tokenizer.json")
-    rows = len(data.tokenize(val_text, tokenizer, cfg.seq_len))
+    tokenizer = tokenized.load_tokenizer(out / "tokenizer.json")
+    rows = len(tokenized.tokenize(val_text, tokenizer, cfg.seq_len))
     assert rows % 2 == 1  # rank 0 holds one row more
     assert [spy["evaluation_batches"] for spy in spies] == [[(rows + 1) // 2] * 2] * 2  # at steps 4 and 8
 

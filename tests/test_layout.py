@@ -82,6 +82,24 @@ def test_no_module_imports_itself_back_through_others():
                 if m.startswith("training.")]
 
 
+def test_data_py_imports_nothing_of_the_machinery():
+    """The data's arrows run one way: the machinery (training/) calls data.py, the lesson's
+    file, never the reverse, neither directly nor through a module data.py imports. Read from
+    the source (every import, a function's too), and seen in a fresh process."""
+    modules = project_modules()
+    graph = {name: {m for m, _ in imports_of(path, modules)} for name, path in modules.items()}
+    reached, todo = set(), ["data"]
+    while todo:
+        new = graph[todo.pop()] - reached
+        reached |= new
+        todo += sorted(new)
+    assert sorted(m for m in reached if m.startswith("training.")) == []
+    program = "import sys, data; print(sorted(m for m in sys.modules if m.split('.')[0] == 'training'))"
+    proc = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
 def test_no_private_name_crosses_a_module():
     modules = project_modules()
     crossing = []

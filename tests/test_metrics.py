@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import data
-from training import build, config, metrics, run_data
+from training import build, config, metrics, run_data, tokenized
 from conftest import FAST, FLOOR_MULTIPLE, assert_within, launch_env, run_script, script_in_process
 from conftest import metrics as rows_of  # the rows of a run's metrics.jsonl (this module imports metrics.py)
 from model import IGNORE_INDEX
@@ -29,7 +29,7 @@ ONE_STEP = ["--max-steps", "1"]
 def training_windows(runs, out: Path, extra=()) -> tuple:
     """(the flags, the training dataset) of the run in `out`, made again here with its tokenizer."""
     cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST, *extra, "--out-dir", str(runs.root / "unused")])
-    train_ds = run_data.Corpus(cfg).training_rows(data.load_tokenizer(out / "tokenizer.json"))
+    train_ds = run_data.Corpus(cfg).training_rows(tokenized.load_tokenizer(out / "tokenizer.json"))
     return cfg, train_ds
 
 
@@ -37,7 +37,7 @@ def first_step_gradients(runs, out: Path) -> list[torch.Tensor]:
     """The gradients of step 1, computed here without the training loop: the seeded initial
     weights, the first global batch of the sampler's permutation, the mean over its real targets."""
     cfg, train_ds = training_windows(runs, out)
-    model = build.model(cfg, data.load_tokenizer(out / "tokenizer.json").get_vocab_size(), torch.float32)
+    model = build.model(cfg, tokenized.load_tokenizer(out / "tokenizer.json").get_vocab_size(), torch.float32)
     sampler = data.ResumableRandomSampler(train_ds, cfg.seed)
     sampler.set_epoch(0)
     x, y = torch.utils.data.default_collate([train_ds[i] for i in itertools.islice(sampler, cfg.batch_size)])

@@ -24,7 +24,7 @@ from model import IGNORE_INDEX, LlamaConfig, LlamaForPretraining, LlamaRotaryEmb
 from test_bad_inputs import refused_in_process
 from test_memory import saved_for_backward
 from ops import packed_attention
-from training import build, config, corpus, evaluation, memory, packing, run_data
+from training import build, config, corpus, evaluation, memory, packing, run_data, tokenized
 from training.errors import RankError, UsageError
 from training.packing import PackedSequenceDataset
 
@@ -89,7 +89,7 @@ def test_packing_leaves_under_2_percent_padding_where_one_window_a_row_leaves_28
 
 
 def stored_windows(lengths, seed=0, vocab_size=60_000) -> datasets.Dataset:
-    """Windows as data.tokenize stores them (uint16), read through an index mapping."""
+    """Windows as tokenized.tokenize stores them (uint16), read through an index mapping."""
     rng = np.random.default_rng(seed)
     ids = [[1, *rng.integers(3, vocab_size, n - 2).tolist(), 2] for n in lengths]
     stored = datasets.Dataset.from_dict({"input_ids": ids}, features=datasets.Features(
@@ -174,7 +174,7 @@ def test_packing_happens_once_and_is_read_back_from_the_cache(tmp_path):
     (tmp_path / "c.txt").write_text("\n".join(f"document {i} " + "word " * (i % 37) for i in range(200)) + "\n")
     texts = corpus.load_corpus(str(tmp_path / "c.txt"))
     tokenizer = data.train_tokenizer(texts, vocab_size=300)
-    windows = data.tokenize(texts, tokenizer, seq_len=16)
+    windows = tokenized.tokenize(texts, tokenizer, seq_len=16)
     first = packing.pack(windows, 16, seed=1)
     written = [os.stat(f["filename"]) for f in first.cache_files]
     second = packing.pack(windows, 16, seed=1)  # what the other ranks and later runs do
@@ -191,7 +191,7 @@ def cached_windows(tmp_path_factory):
     path = tmp_path_factory.mktemp("packed") / "c.txt"
     path.write_text("\n".join(f"document {i} " + "word " * (i % 37) for i in range(200)) + "\n")
     texts = corpus.load_corpus(str(path))
-    windows = data.tokenize(texts, data.train_tokenizer(texts, vocab_size=300), seq_len=16)
+    windows = tokenized.tokenize(texts, data.train_tokenizer(texts, vocab_size=300), seq_len=16)
     rows = packing.pack(windows, 16, seed=1)
     return windows, rows["windows"], rows.cache_files[0]["filename"]
 
@@ -776,7 +776,7 @@ def test_a_packed_run_resumes_bitwise_across_an_epoch_boundary(runs, tmp_path):
 def packed_datasets(runs, out, flags=PACK):
     """(the flags, the training and the held-out datasets) of a packed run, made again here."""
     cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST, *flags, "--out-dir", str(runs.root / "unused")])
-    documents, tokenizer = run_data.Corpus(cfg), data.load_tokenizer(out / "tokenizer.json")
+    documents, tokenizer = run_data.Corpus(cfg), tokenized.load_tokenizer(out / "tokenizer.json")
     return cfg, documents.training_rows(tokenizer), run_data.make_dataset(cfg, tokenizer, documents.val_text,
                                                                           text_bytes=True)
 

@@ -14,6 +14,7 @@ import data
 from model import IGNORE_INDEX
 from test_data import hostile_texts, windows_of_whole_documents
 from test_stream_shards import write, write_lines
+from training import tokenized
 from training.errors import UsageError
 from training.stream.order import Cursor, SubStreams, documents
 from training.stream.packer import OnlinePacker, row_tensors
@@ -93,10 +94,10 @@ def equal(a: list[tuple], b: list[tuple]) -> bool:
 
 def test_padded_rows_of_one_sub_stream_are_the_rows_of_the_map_style_dataset(corpus, tokenizer):
     """A streamed run and a map-style one over the same documents in the same order train on
-    the same rows: data.tokenize's windows padded by PaddedSequenceDataset, row for row."""
+    the same rows: tokenized.tokenize's windows padded by PaddedSequenceDataset, row for row."""
     order = texts_of(corpus, 1, 0, epochs=1)
     assert LONG in order and "the only document of its shard" in order and len(order) == 23
-    windows = data.tokenize(datasets.Dataset.from_dict({"text": order}), tokenizer, SEQ_LEN)
+    windows = tokenized.tokenize(datasets.Dataset.from_dict({"text": order}), tokenizer, SEQ_LEN)
     dataset = data.PaddedSequenceDataset(windows, SEQ_LEN, tokenizer.token_to_id(data.PAD))
     streamed = list(rows_of(corpus, tokenizer, 1, 0, pack=False, epochs=1))
     assert equal(streamed, [dataset[i] for i in range(len(dataset))]) and len(streamed) > 60
@@ -142,7 +143,7 @@ def test_every_token_of_every_document_is_a_target_exactly_once_an_epoch(corpus,
 
 def test_a_long_document_is_encoded_in_pieces_and_its_windows_are_the_whole_documents(corpus, tokenizer,
                                                                                       monkeypatch):
-    """As data.tokenize encodes it: in pieces (its memory that of a piece), cut where no token
+    """As tokenized.tokenize encodes it: in pieces (its memory that of a piece), cut where no token
     changes, so that its windows are those of the document encoded whole (the test above)."""
     cut, real = [], data.pieces
     monkeypatch.setattr(data, "pieces", lambda text, *args: cut.append(text) or real(text, *args))

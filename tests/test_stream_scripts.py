@@ -26,7 +26,7 @@ from conftest import (FAST, FAST_WITH_TOKENIZER, REPO, assert_same_model, assert
 from model import IGNORE_INDEX, LlamaForPretraining
 from test_bad_inputs import refused_in_process, snapshot
 from test_failures import exit_codes, fault_env
-from training import build, corpus
+from training import build, corpus, tokenized
 from training.stream import holdout, order, shards
 
 WORDS = ("the model reads tokens and predicts the next one while gradients flow back "
@@ -570,7 +570,7 @@ def trained_rows(monkeypatch):
 
 def windows_of(texts: list[str], tokenizer_file) -> list[tuple]:
     """Each document's windows as the map-style path cuts them (data.document_windows)."""
-    tokenizer = data.text_only(data.load_tokenizer(str(tokenizer_file)))
+    tokenizer = data.text_only(tokenized.load_tokenizer(str(tokenizer_file)))
     exact = data.clip_is_exact(tokenizer)
     return [tuple(w.tolist()) for text in texts for w in data.document_windows(text, tokenizer, 32, exact)]
 

@@ -13,7 +13,7 @@ from conftest import (FAST, FAST_WITH_TOKENIZER, FLOOR_MULTIPLE, assert_learns, 
                       ddp_two_ranks, load_weights, max_weight_diff, metrics, run_in_process, run_script, script_in_process, spied,
                       stopped_at_step_4, train)
 from model import IGNORE_INDEX, LlamaForPretraining
-from training import build, config, corpus, launch, pt_checkpoint, resume, run_data, turns, weights
+from training import build, config, corpus, launch, pt_checkpoint, resume, run_data, tokenized, turns, weights
 
 # DDP at 2 ranks adds gradients up in another order than one process does, so weights agree
 # to rounding, not bitwise: within a multiple of the rounding floor measured on this machine
@@ -108,7 +108,7 @@ def test_output_folder_holds_what_the_readme_promises(runs):
     assert [r["step"] for r in rows if "val_loss" in r] == [4, 8]
     assert train_rows[-1]["loss"] < train_rows[0]["loss"]  # it learns
     assert not [r for r in rows if "mfu" in r]  # no MFU against a peak a CPU does not have
-    assert data.load_tokenizer(out / "tokenizer.json").get_vocab_size() == 300
+    assert tokenized.load_tokenizer(out / "tokenizer.json").get_vocab_size() == 300
 
 
 @pytest.mark.parametrize("script", ["train_dp.py", "train_ddp.py", "train_fsdp.py"])
@@ -333,7 +333,7 @@ def test_the_start_up_line_and_the_first_metrics_row_count_every_token_of_the_tr
     out = runs("dp", "train_dp.py")
     cfg = config.parse_args(["--dataset", str(runs.corpus), *FAST])
     train_text, _, _ = run_data.load_text(cfg)
-    tokenizer = data.text_only(data.load_tokenizer(out / "tokenizer.json"))
+    tokenizer = data.text_only(tokenized.load_tokenizer(out / "tokenizer.json"))
     targets = [len(e.ids) + 1 for e in tokenizer.encode_batch(train_text["text"], add_special_tokens=False)]
     windows, tokens = sum(-(-n // 32) for n in targets), sum(targets)
     assert windows > len(train_text) + 50  # many documents span several windows (what the resume tests cross)

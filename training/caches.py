@@ -95,9 +95,11 @@ class ReadBack:
                 how = f"{opened[1]:,} bytes, now {now[1]:,}" if now[1] != opened[1] else "written in place"
                 raise self.damaged(f"it changed while this run read it ({how})")
 
-    def damaged(self, problem: str) -> RankError:
-        """The one line for data found damaged while the run reads it. A RankError: the rank that
-        read the row says it, whatever its number."""
+    def damaged(self, problem: str | Exception) -> RankError:
+        """The one line for data found damaged while the run reads it (`problem`: what is wrong, or
+        what reading it raised). A RankError: the rank that read the row says it, whatever its number."""
+        if isinstance(problem, Exception):
+            problem = first_line(problem)
         return RankError(f"damaged data in {self.what} {self.name}: {problem}. Remove that cache (`datasets` makes "
                          "it again) and run again with --resume")
 

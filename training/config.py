@@ -15,7 +15,7 @@ import torch
 import data
 from model import PRESETS, LlamaConfig
 from ops import packed_attention
-from training import corpus, hf_import, run_folder, weights
+from training import corpus, hf_import, run_folder, tokenized, weights
 from training.errors import ArgumentParser, UsageError, warn
 from training.launch import check_launch_environment, data_parallel_units
 from training.stream import run as stream_run
@@ -209,7 +209,7 @@ def parse_args(argv=None, distributed: bool = False, sharded: bool = False, tens
     elif cfg.init_from:
         out, source = weights.init_source(cfg.init_from)
         cfg.architecture = run_folder.imported_architecture(out)  # a run that started from a published model
-        theirs = data.load_tokenizer(out / run_folder.TOKENIZER, imported(cfg))
+        theirs = tokenized.load_tokenizer(out / run_folder.TOKENIZER, imported(cfg))
         run_folder.check_tokenizer(out, theirs, run_folder.recorded_fingerprint(out))  # unedited
     if cfg.init_from:
         if cfg.tokenizer:

@@ -18,9 +18,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-import data
 from model import LlamaConfig
-from training import corpus, model_config
+from training import corpus, model_config, tokenized
 from training.errors import UsageError, first_line
 
 CONFIG, TOKENIZER, WEIGHTS, INDEX = "config.json", "tokenizer.json", "model.safetensors", "model.safetensors.index.json"
@@ -113,7 +112,7 @@ def llama_config(folder: Path) -> LlamaConfig:
 
 def load_tokenizer(folder: Path, config: LlamaConfig) -> Tokenizer:
     """folder/tokenizer.json, checked against the model: as many tokens as the embedding has rows."""
-    tokenizer = data.load_tokenizer(folder / TOKENIZER, config)
+    tokenizer = tokenized.load_tokenizer(folder / TOKENIZER, config)
     if tokenizer.get_vocab_size() != config.vocab_size:
         raise UsageError(f"{folder / TOKENIZER} has {tokenizer.get_vocab_size():,} tokens, and the model's embedding "
                          f"{config.vocab_size:,} rows ({CONFIG}): the tokenizer of another model?")

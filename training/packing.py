@@ -165,7 +165,6 @@ class PackedSequenceDataset(PaddedSequenceDataset):
     packing: datasets.Dataset | None = None  # column "windows": the windows each row holds, in order
 
     def __post_init__(self):
-        super().__post_init__()
         self.packing_read_back = caches.ReadBack(self.packing, "--pack's cached packing")
 
     def __len__(self):

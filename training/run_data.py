@@ -14,7 +14,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 import data
-from training import build, config, corpus, packing, resume, run_folder
+from training import build, caches, config, corpus, packing, resume, run_folder, tokenized
 from training.config import TrainConfig
 from training.errors import UsageError, is_rank0, warn
 from training.run_folder import TOKENIZER
@@ -155,13 +155,13 @@ def get_tokenizer(cfg: TrainConfig, train_bpe, resuming: bool) -> Tokenizer:
     the training documents."""
     if resuming:
         out = Path(cfg.out_dir)
-        tokenizer = data.load_tokenizer(out / TOKENIZER, config.imported(cfg))
+        tokenizer = tokenized.load_tokenizer(out / TOKENIZER, config.imported(cfg))
         run_folder.check_tokenizer(out, tokenizer, run_folder.recorded_fingerprint(out))  # the run's own
-        if cfg.tokenizer and data.load_tokenizer(cfg.tokenizer, config.imported(cfg)).to_str() != tokenizer.to_str():
+        if cfg.tokenizer and tokenized.load_tokenizer(cfg.tokenizer, config.imported(cfg)).to_str() != tokenizer.to_str():
             raise UsageError(f"--tokenizer {cfg.tokenizer} differs from the run's {TOKENIZER}")
         return tokenizer
     if cfg.tokenizer:
-        return data.load_tokenizer(cfg.tokenizer, config.imported(cfg))
+        return tokenized.load_tokenizer(cfg.tokenizer, config.imported(cfg))
     return train_bpe()
 
 
@@ -173,8 +173,10 @@ def make_dataset(cfg: TrainConfig, tokenizer: Tokenizer, texts, text_bytes: bool
     pad_id = specials.pad
     if text_bytes:
         facts["text_bytes"] = corpus.text_bytes(texts)
-    windows = data.tokenize(texts, tokenizer, cfg.seq_len, specials)
+    windows = tokenized.tokenize(texts, tokenizer, cfg.seq_len, specials)
+    # its cache files as this run opened them, checked before each batch is read
+    read_back = caches.ReadBack(windows, tokenized.CACHED_WINDOWS)
     if cfg.pack:
         return packing.PackedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts,
-                                             packing=packing.pack(windows, cfg.seq_len, cfg.seed))
-    return data.PaddedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts)
+                                             read_back=read_back, packing=packing.pack(windows, cfg.seq_len, cfg.seed))
+    return data.PaddedSequenceDataset(windows, cfg.seq_len, pad_id, documents=len(texts), **facts, read_back=read_back)

@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from data import load_tokenizer
 from model import LlamaConfig, LlamaForPretraining
 from training import files, pt_checkpoint, run_folder
 from training.errors import UsageError, first_line, warn
 from training.run_folder import CHECKPOINT, CONFIG, MODEL, TOKENIZER, numbered_checkpoints, sharded_checkpoints
+from training.tokenized import load_tokenizer
 
 
 def init_source(path: str) -> tuple[Path, Path]:

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-import data
+from training import tokenized
 from training.errors import UsageError
 from training.read_ahead import ReadAhead
 from training.stream import order
@@ -147,7 +147,7 @@ class StreamFeed(Iterator[list[tuple[torch.Tensor, ...]]]):
         # RNG (which would change the model's dropout). fork: the run's read function is a closure,
         # which a spawned worker could not be sent; a worker forked reads through the parent's.
         more = {"multiprocessing_context": "fork"} if self.workers else {}
-        with data.tokenizer_threads(1):  # forked workers tokenize on one thread each, and tokenizers says nothing
+        with tokenized.tokenizer_threads(1):  # forked workers tokenize on one thread each, and tokenizers says nothing
             loader = DataLoader(_Shares(self._rows, self.owned, self.share, self._states), batch_size=None,
                                 num_workers=self.workers, collate_fn=_as_is, generator=torch.Generator(), **more)
             return iter(loader)

@@ -56,8 +56,8 @@ class SubStreamRows(Iterator[tuple[torch.Tensor, ...]]):
     packed, as PackedSequenceDataset gives one (packer.row_tensors).
 
     Guarantees: padded, the rows are the sub-stream's documents' windows in their order, each
-    exactly as data.tokenize cuts it and PaddedSequenceDataset pads it; packed, they are those
-    windows through one OnlinePacker, from the first epoch's to the last epoch's, then its
+    exactly as tokenized.tokenize cuts it and PaddedSequenceDataset pads it; packed, they are
+    those windows through one OnlinePacker, from the first epoch's to the last epoch's, then its
     flush. Either way every token of every document (after its [BOT]) is a target exactly once
     an epoch. An object given state_dict() taken after any row gives the rows this one gives
     next, bitwise. read(piece, start_row) is the run's reader (order.Read); `tokenizer` the
