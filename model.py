@@ -267,7 +267,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaLMHead(nn.Linear):
-    """The untied LM head: a plain nn.Linear (its weight is `lm_head.weight`). Given targets
+    """The LM head: a plain nn.Linear (`lm_head.weight`, or the embedding's, tied). Given targets
     it returns their summed loss instead of the logits, computed inside its own forward, so
     that FSDP gathers its weight for it and DDP and DataParallel see one ordinary forward."""
 
@@ -333,26 +333,19 @@ class LlamaForPretraining(nn.Module):
                 yield module.weight, torch.ones(module.weight.shape)
 
     def forward(self, input_ids, targets=None, position_ids=None, cu_seqlens=None, kv_caches=None):
-        """input_ids: (B, T) token ids.
-
-        Without targets: returns logits (B, T, V).
+        """input_ids: (B, T) token ids. Without targets: returns logits (B, T, V).
         With targets (B, T), IGNORE_INDEX where there is nothing to predict: returns
-        (loss_sum, n_tokens), each of shape (1,): the summed cross-entropy over real
-        targets and their count. The loss is computed here, not by the caller, so that
-        nn.DataParallel gathers two numbers per replica onto GPU 0 instead of the full
-        (B, T, V) logits. Callers divide by the global token count themselves, which keeps
-        the loss exact however the batch is split over replicas, ranks and micro-batches.
-
+        (loss_sum, n_tokens), each of shape (1,): the summed cross-entropy over real targets
+        and their count. Computed here, not by the caller, so that nn.DataParallel gathers two
+        numbers per replica onto GPU 0 instead of the (B, T, V) logits; callers divide by the
+        global token count, which keeps the loss exact however the batch is split.
         position_ids (B, T), packed rows only (--pack): each token's position in its own
-        window, restarting at 0 where a window starts; each window then attends only to
-        itself (window_mask). cu_seqlens (B, W + 1), with them: where each row's windows
-        end, the kernel's input where packed_attention is "varlen". A row's structure travels
-        with its row, so nn.DataParallel's split of every input along the batch keeps it.
-        None: one sequence a row, from 0.
-
-        kv_caches (generation only, from new_kv_caches): input_ids continue the tokens
-        already cached, and their keys and values are added to the caches.
-        """
+        window, from 0 where a window starts; each window attends only to itself
+        (window_mask). cu_seqlens (B, W + 1), with them: where each row's windows end, the
+        kernel's input where packed_attention is "varlen". A row's structure travels with its
+        row, so nn.DataParallel's split along the batch keeps it. None: one sequence a row.
+        kv_caches (generation only, new_kv_caches): input_ids continue the cached tokens,
+        whose keys and values grow by theirs."""
         end = input_ids.shape[1] + (kv_caches[0].length if kv_caches else 0)
         if end > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {end} exceeds max_position_embeddings "
