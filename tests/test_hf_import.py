@@ -111,10 +111,11 @@ def tied(run: Path) -> bool:
 
 
 def test_an_imported_tied_model_trains_alike_under_dp_ddp_and_fsdp_and_stays_tied(hf, corpus, tmp_path):
-    """SmolLM2's shape, 4 steps from its weights: DDP and FSDP on 2 ranks end with the weights
-    and log the losses of one process, within 20x the rounding floor of these runs (the same run
-    with its micro-batches reversed); the LM head is still the embedding in every model.pt, and
-    each FSDP rank read only its own half of the weights from the files."""
+    """SmolLM2's shape, 4 steps from its weights: DDP and FSDP on 2 ranks, and one process
+    compiled, end with the weights and log the losses of one process, within 20x the rounding
+    floor of these runs (the same run with its micro-batches reversed); the LM head is still the
+    embedding in every model.pt, and each FSDP rank read only its own half of the weights from
+    the files."""
     folder = hf["smollm"]
     one = tmp_path / "dp"
     train("train_dp.py", hf_args(folder, corpus, one))
@@ -125,10 +126,12 @@ def test_an_imported_tied_model_trains_alike_under_dp_ddp_and_fsdp_and_stays_tie
     train("train_ddp.py", hf_args(folder, corpus, ddp), nproc=2)
     spies.mkdir()
     train("train_fsdp.py", hf_args(folder, corpus, fsdp), nproc=2, spy_dir=spies)
-    for run in (ddp, fsdp):
+    compiled = tmp_path / "compiled"
+    train("train_dp.py", hf_args(folder, corpus, compiled, "--compile"))
+    for run in (ddp, fsdp, compiled):
         assert_same_weights(one, run, floor)
         assert_same_metrics(one, run, floor)
-    assert all(tied(run) for run in (one, ddp, fsdp))
+    assert all(tied(run) for run in (one, ddp, fsdp, compiled))
     # every element once over the two ranks, none twice on one (the whole model: 2x their share)
     read = [json.loads((spies / f"rank{rank}.json").read_text())["weights_read"] for rank in (0, 1)]
     elements = sum(t.numel() for name, t in load_weights(one).items() if name != "lm_head.weight")
@@ -282,3 +285,33 @@ def test_the_readme_recipe_streams_shards_into_an_imported_model_then_exports_it
     train("train_dp.py", hf_args(run, corpus, again, "--max-steps", "2"))
     assert json.loads((again / "config.json").read_text()) == {
         **json.loads((run / "config.json").read_text()), "trained_seq_len": 32}
+
+
+def test_a_hub_id_resolves_once_to_a_commit_that_the_run_records(hf, corpus, tmp_path):
+    """ORG/NAME is fetched through huggingface_hub's cache (here one laid out by hand, offline, as a
+    download leaves it: refs/main naming a commit, the files under snapshots/<commit>): the run
+    records the snapshot's folder, whose name is the commit, so its resumes and readers know which
+    weights it started from even after the branch moves on."""
+    import os
+    import shutil
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = Path(os.environ["HF_HOME"]) / "hub" / "models--someorg--tiny-llama3"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(hf["llama3"], repo / "snapshots" / commit)
+    run = tmp_path / "run"
+    train("train_dp.py", hf_args(Path("someorg/tiny-llama3"), corpus, run, "--max-steps", "2"))
+    recorded = torch.load(run / "checkpoint.pt", weights_only=True)["train_config"]["init_from"]
+    assert recorded == str(repo / "snapshots" / commit)
+    assert json.loads((run / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"
+
+
+def test_an_imported_untied_model_trains_under_tensor_parallelism_as_one_process(hf, corpus, tmp_path):
+    """Llama 3's shape (untied: train_tp.py splits it) at (dp 1, tp 2) ends with one process's
+    weights and losses, within 20x the floor of these runs."""
+    folder = hf["llama3"]
+    one, reordered, tp = tmp_path / "dp", tmp_path / "dp_reversed", tmp_path / "tp"
+    train("train_dp.py", hf_args(folder, corpus, one))
+    train("train_dp.py", hf_args(folder, corpus, reordered), perturb="reverse-batches")
+    train("train_tp.py", hf_args(folder, corpus, tp, "--tp", "2"), nproc=2)
+    assert_same_model(one, tp, measure_floor(one, reordered))
