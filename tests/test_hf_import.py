@@ -138,11 +138,13 @@ def test_an_imported_tied_model_trains_alike_under_dp_ddp_and_fsdp_and_stays_tie
     assert sum(read) == elements and max(read) <= elements // 2 + 1000, (read, elements)
 
 
-@pytest.mark.parametrize("script, nproc", [("train_dp.py", 0), ("train_fsdp.py", 2)])
-def test_an_imported_run_resumes_bitwise(hf, corpus, tmp_path, script, nproc):
-    """Llama 3's shape stopped at step 2 and resumed without --init-from (its config.json says what
-    it is) ends where the run that never stopped ends: every weight and logged row, bitwise."""
-    folder = hf["llama3"]
+@pytest.mark.parametrize("script, nproc, shape", [("train_dp.py", 0, "llama3"), ("train_fsdp.py", 2, "llama3"),
+                                                 ("train_fsdp.py", 2, "smollm")])
+def test_an_imported_run_resumes_bitwise(hf, corpus, tmp_path, script, nproc, shape):
+    """Stopped at step 2 and resumed without --init-from (its config.json says what it is), an
+    imported run ends where the run that never stopped ends: every weight and logged row, bitwise;
+    under FSDP a tied model's sharded checkpoints too."""
+    folder = hf[shape]
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     train(script, hf_args(folder, corpus, whole), nproc)
     train(script, hf_args(folder, corpus, stopped, "--stop-at-step", "2"), nproc)
@@ -170,6 +172,14 @@ def test_documents_are_framed_with_the_models_own_tokens(hf, corpus):
     assert (real[:, :-1] | ~real[:, 1:]).all()  # real targets first, then only padding
 
 
+def poison(folder: Path):
+    """One weight of the file NaN: what a diverged run's export, or a damaged copy, may hold."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.norm.weight"][3] = float("nan")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
 def write_config(folder: Path, **change):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, **change}))
@@ -190,6 +200,7 @@ HOSTILE = {
                    "model.safetensors.index.json"),
     "a truncated file": (lambda f, hf: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:-10]),
                          "model.safetensors is damaged"),
+    "NaN weights": (lambda f, hf: poison(f), "its weights are not all finite (NaN or inf)"),
     "biases": (lambda f, hf: write_config(f, attention_bias=True), "attention_bias true is not what this model computes"),
     "another model": (lambda f, hf: write_config(f, model_type="mistral"), "model_type \"mistral\" is not a Llama"),
     "another activation": (lambda f, hf: write_config(f, hidden_act="gelu"), "hidden_act \"gelu\""),
