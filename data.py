@@ -58,7 +58,7 @@ def special_ids(tokenizer: Tokenizer, config=None) -> SpecialIds:
     """The ids documents are framed with and rows padded with: an imported model's own, where its
     config (a model.LlamaConfig) names them (Llama 3's <|begin_of_text|> and <|end_of_text|>:
     the framing it was pretrained on), else our tokenizer's [BOT], [EOT], [PAD]."""
-    if config is not None and config.bos_token_id is not None:  # no pad token (Llama 3): any id pads
+    if config is not None and config.own_special_tokens:  # no pad token (Llama 3): any id pads
         pad = config.eos_token_id if config.pad_token_id is None else config.pad_token_id
         return SpecialIds(config.bos_token_id, config.eos_token_id, pad)
     return SpecialIds(*(tokenizer.token_to_id(token) for token in (BOT, EOT, PAD)))

@@ -36,8 +36,8 @@ class LlamaConfig:
     rope_scaling: dict | None = None
     head_dim: int | None = None  # None: hidden_size // num_attention_heads; a config may set another
     tie_word_embeddings: bool = False  # the LM head reads out with the input embedding's matrix
-    # The tokens documents are framed with, bos + text + eos, and rows padded with: an imported
-    # model's own (training/hf_import.py). None: our tokenizer's [BOT], [EOT], [PAD] (data.py).
+    # An imported model's own tokens that frame documents, bos + text + eos, and pad rows
+    # (training/hf_import.py). None: our tokenizer's [BOT], [EOT], [PAD] (data.py).
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -53,6 +53,10 @@ class LlamaConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+
+    @property
+    def own_special_tokens(self) -> bool:  # an imported model's names them; ours leaves them to the tokenizer
+        return self.bos_token_id is not None
 
     @property
     def trained_context(self) -> int:
@@ -365,9 +369,8 @@ class LlamaForPretraining(nn.Module):
         return torch.stack([loss_sum]), torch.stack([n_tokens])
 
     def tie_weights(self):
-        """Tied embeddings (SmolLM2, Llama 3.2 1B/3B): one (V, C) matrix both embeds the input ids
-        and reads out the logits, one parameter with one gradient and one set of AdamW moments.
-        Again after to_empty(), which gives each module a parameter of its own."""
+        """Tied embeddings (SmolLM2, Llama 3.2 1B/3B): one (V, C) parameter embeds the ids and reads
+        out the logits. Again after to_empty(), which gives each module a parameter of its own."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.base_model.embed_tokens.weight
 

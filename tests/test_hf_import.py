@@ -39,7 +39,7 @@ def imported(folder: Path):
     from model import LlamaForPretraining
     from training import hf_import, weights
     config = hf_import.llama_config(folder)
-    hf_import.check_weights(folder, weights.model_shapes(config))
+    hf_import.check_weights(folder, config, weights.model_shapes(config))
     model = LlamaForPretraining(config).eval()
     hf_import.load_into(model, folder)
     return model
@@ -194,32 +194,87 @@ def copy_of(folder: Path, to: Path) -> Path:
     return Path(shutil.copytree(folder, to))
 
 
+def drop(folder: Path, name: str):
+    """A weight taken out of the one file: a model whose files lack one."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(folder / "model.safetensors")
+    del tensors[name]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def misfile(folder: Path):
+    """The index names another shard for one weight than the one that holds it."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = index["weight_map"]["model.embed_tokens.weight"]
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def truncate(file: Path):
+    file.write_bytes(file.read_bytes()[:-10])
+
+
+# case: (the model it starts from, what is done to it, what the one line says)
 HOSTILE = {
-    "no config.json": (lambda f, hf: (f / "config.json").unlink(), "or a Hugging Face model's folder: its safetensors have no config.json beside them"),
-    "no weights": (lambda f, hf: [p.unlink() for p in f.glob("model*.safetensors*")], "no model.safetensors and no "
-                   "model.safetensors.index.json"),
-    "a truncated file": (lambda f, hf: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:-10]),
-                         "model.safetensors is damaged"),
-    "NaN weights": (lambda f, hf: poison(f), "its weights are not all finite (NaN or inf)"),
-    "biases": (lambda f, hf: write_config(f, attention_bias=True), "attention_bias true is not what this model computes"),
-    "another model": (lambda f, hf: write_config(f, model_type="mistral"), "model_type \"mistral\" is not a Llama"),
-    "another activation": (lambda f, hf: write_config(f, hidden_act="gelu"), "hidden_act \"gelu\""),
-    "sliding windows": (lambda f, hf: write_config(f, sliding_window=64), "sliding_window 64"),
-    "another rope scaling": (lambda f, hf: write_config(f, rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+    "no config.json": ("smollm", lambda f, hf: (f / "config.json").unlink(),
+                       "or a Hugging Face model's folder: its safetensors have no config.json beside them"),
+    "no weights": ("smollm", lambda f, hf: [p.unlink() for p in f.glob("model*.safetensors*")],
+                   "no model.safetensors and no model.safetensors.index.json"),
+    "a truncated file": ("smollm", lambda f, hf: truncate(f / "model.safetensors"), "model.safetensors is damaged"),
+    "an index naming another shard": ("head_dim", lambda f, hf: misfile(f),
+                                      "holds model.norm.weight, which model.safetensors.index.json says is in"),
+    "an untied model without its LM head": ("llama3", lambda f, hf: drop(f, "lm_head.weight"),
+                                            "its weights lack lm_head.weight"),
+    "NaN weights": ("smollm", lambda f, hf: poison(f), "its weights are not all finite (NaN or inf)"),
+    "biases": ("smollm", lambda f, hf: write_config(f, attention_bias=True),
+               "attention_bias true is not what this model computes"),
+    "another model": ("smollm", lambda f, hf: write_config(f, model_type="mistral"),
+                      "model_type \"mistral\" is not a Llama"),
+    "another activation": ("smollm", lambda f, hf: write_config(f, hidden_act="gelu"), "hidden_act \"gelu\""),
+    "sliding windows": ("smollm", lambda f, hf: write_config(f, sliding_window=64), "sliding_window 64"),
+    "another rope scaling": ("smollm", lambda f, hf: write_config(f, rope_parameters={"rope_type": "yarn"}),
                              "RoPE scaling \"yarn\" is not supported"),
-    "another model's tokenizer": (lambda f, hf: copy_of_file(hf["head_dim"] / "tokenizer.json", f),
-                                  "has 512 tokens, and the model's embedding 400 rows"),
+    "RoPE by layer type": ("llama3", lambda f, hf: write_config(f, rope_parameters={"full_attention": {}}),
+                           "RoPE's \"full_attention\" is not something this model computes"),
+    "RoPE tables no memory holds": ("smollm", lambda f, hf: write_config(f, max_position_embeddings=2**20,
+                                                                          head_dim=128),
+                                    "max_position_embeddings x head_dim must be at most 2**26"),
+    "another model's tokenizer": ("smollm", lambda f, hf: copy_of_file(hf["head_dim"] / "tokenizer.json", f),
+                                  "has 512 tokens, and the model 400 embedding rows (config.json): the tokenizer "
+                                  "of another run or model?"),
 }
 
 
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_a_hostile_model_folder_is_one_line_and_nothing_written(hf, corpus, tmp_path, capsys, case):
-    change, message = HOSTILE[case]
     """Each refused before anything is written, in one line naming the file or field."""
-    folder = copy_of(hf["smollm"], tmp_path / "model")
+    shape, change, message = HOSTILE[case]
+    folder = copy_of(hf[shape], tmp_path / "model")
     change(folder, hf)
     out = tmp_path / "out"
     refused_in_process("train_dp.py", hf_args(folder, corpus, out)[:-2], out, message, capsys)
+
+
+def test_an_abbreviated_model_flag_is_no_way_around_the_architecture(hf, corpus, tmp_path, capsys):
+    """argparse would take --mode for --model: the flags are spelled out, or refused."""
+    out = tmp_path / "out"
+    refused_in_process("train_dp.py", [*hf_args(hf["llama3"], corpus, out)[:-2], "--mode", "debug"], out,
+                       "unrecognized arguments: --mode debug", capsys)
+
+
+def test_a_config_edited_to_tie_an_untied_run_is_one_line(hf, corpus, tmp_path, capsys):
+    """An untied run's config.json edited to tie_word_embeddings true would load one of its two
+    matrices as both in silence (load_state_dict into the tied model): export, generate and
+    --init-from refuse it."""
+    import export_hf
+    from training.errors import UsageError
+    run = tmp_path / "run"
+    train("train_dp.py", hf_args(hf["llama3"], corpus, run, "--max-steps", "2"))
+    write_config(run, tie_word_embeddings=True)
+    capsys.readouterr()  # the run's own progress bar
+    with pytest.raises(UsageError, match="differs from the embedding: an untied model's"):
+        export_hf.export(str(run), str(tmp_path / "export"))
+    out = tmp_path / "again"
+    refused_in_process("train_dp.py", hf_args(run, corpus, out)[:-2], out, "differs from the embedding", capsys)
 
 
 def test_an_index_naming_a_missing_shard_is_one_line(hf, corpus, tmp_path, capsys):

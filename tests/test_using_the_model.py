@@ -200,7 +200,7 @@ def _another_tokenizer(out):
                                                                 "below 2**31, got 1000000000000"),
     (lambda out: _config(out, vocab_size=10**400), "vocab_size must be a positive integer below 2**31, got 1000000"),
     (lambda out: (out / "config.json").write_text("[" * 100_000), "cannot read"),  # nested past the parser
-    (_another_tokenizer, "has 400 tokens, and the model 300 (config.json): the tokenizer of another run?"),
+    (_another_tokenizer, "has 400 tokens, and the model 300 embedding rows (config.json): the tokenizer of another run or model?"),
     (lambda out: swap_special_token_ids(out / "tokenizer.json"), "is not the tokenizer its run was trained with"),
     (lambda out: _weights(out, lambda s: s.update({"lm_head.weight": s["lm_head.weight"].long()})),
      "are not finite (lm_head.weight holds NaN, inf or integers)"),

@@ -26,7 +26,7 @@ from tokenizers import Tokenizer, processors
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, from any folder
 from data import special_ids  # noqa: E402
 from model import LlamaForPretraining  # noqa: E402
-from training import errors, run_folder, stopping, weights  # noqa: E402
+from training import errors, hf_import, run_folder, stopping, weights  # noqa: E402
 from training.errors import UsageError, path_argument  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def hf_config(model: LlamaForPretraining, tokenizer: Tokenizer) -> dict:
     it was trained at (an imported model's: the context it came with, which a run at a shorter
     --seq-len leaves it)."""
     c = model.config
-    imported = c.bos_token_id is not None  # its config names its own special tokens
+    imported = c.own_special_tokens
     rope = {"rope_type": "default", "rope_theta": c.rope_theta}
     if c.rope_scaling is not None:  # Llama 3's
         rope = {**c.rope_scaling, "rope_theta": c.rope_theta}
@@ -45,8 +45,7 @@ def hf_config(model: LlamaForPretraining, tokenizer: Tokenizer) -> dict:
         "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
         "max_position_embeddings": c.max_position_embeddings if imported else c.trained_context,
-        "rms_norm_eps": c.rms_norm_eps, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": c.tie_word_embeddings,
+        "rms_norm_eps": c.rms_norm_eps, **hf_import.ONLY, "tie_word_embeddings": c.tie_word_embeddings,
         # transformers 5 reads rope_parameters, 4.x reads rope_theta and rope_scaling: all, for both
         "rope_theta": c.rope_theta, "rope_parameters": rope, "rope_scaling": c.rope_scaling,
         **special_token_ids(model, tokenizer), "torch_dtype": "float32",
@@ -55,7 +54,7 @@ def hf_config(model: LlamaForPretraining, tokenizer: Tokenizer) -> dict:
 
 def special_token_ids(model: LlamaForPretraining, tokenizer: Tokenizer) -> dict:
     bos, eos, pad = special_ids(tokenizer, model.config)  # [BOT], [EOT], [PAD], or an imported model's own
-    if model.config.bos_token_id is not None:  # imported: its own pad token, or none (Llama 3)
+    if model.config.own_special_tokens:  # imported: its own pad token, or none (Llama 3)
         pad = model.config.pad_token_id
     return {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}
 
@@ -64,7 +63,7 @@ def hf_state_dict(model: LlamaForPretraining) -> dict:
     """Our parameter names with transformers' prefix; every tensor its own contiguous copy,
     as safetensors requires. A tied LM head is the embedding: written once, as transformers does."""
     tied = model.config.tie_word_embeddings
-    return {name.replace("base_model.", "model.", 1): t.detach().contiguous().clone()
+    return {hf_import.hf_name(name): t.detach().contiguous().clone()
             for name, t in model.state_dict().items() if not (tied and name == "lm_head.weight")}
 
 

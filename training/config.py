@@ -203,7 +203,7 @@ def parse_args(argv=None, distributed: bool = False, sharded: bool = False, tens
     if cfg.init_from and (folder := hf_import.resolve(cfg.init_from)):  # a published model (a folder, a Hub id)
         out = source = folder
         architecture = hf_import.llama_config(folder)
-        hf_import.check_weights(folder, weights.model_shapes(architecture))  # from the files' headers
+        hf_import.check_weights(folder, architecture, weights.model_shapes(architecture))  # from the files' headers
         theirs = hf_import.load_tokenizer(folder, architecture)
         cfg.architecture = dataclasses.asdict(architecture)  # (trained_seq_len None: --seq-len decides it)
     elif cfg.init_from:

@@ -20,6 +20,9 @@ class RankError(UsageError):
 
 
 class ArgumentParser(argparse.ArgumentParser):
+    def __init__(self, *args, allow_abbrev=False, **kwargs):  # "--mode" is no flag, not --model guessed
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
     def error(self, message):  # one line, not argparse's usage block
         raise UsageError(message)
 

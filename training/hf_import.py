@@ -29,11 +29,13 @@ DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008
             "tie_word_embeddings": False}
 # Fields whose value this model computes only one way: anything else is refused, naming the field
 ONLY = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "sliding_window": None,
-        "use_sliding_window": False, "pretraining_tp": 1}
+        "use_sliding_window": False, "pretraining_tp": 1, "attention_dropout": 0.0}
+# What a RoPE description may hold (transformers 5's rope_parameters, 4.x's rope_scaling)
+ROPE_KEYS = {"rope_type", "type", "rope_theta", *model_config.LLAMA3_SCALING}
 
 
 # What a Hub model's folder holds that --init-from reads (not its other formats: .bin, .gguf, ...)
-HUB_FILES = [CONFIG, "generation_config.json", TOKENIZER, "*.safetensors", INDEX]
+HUB_FILES = [CONFIG, "generation_config.json", TOKENIZER, "model*.safetensors", INDEX]  # not original/, onnx/
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -57,14 +59,15 @@ def resolve(source: str) -> Path | None:
 def is_hf_folder(path: Path) -> bool:
     """A Hugging Face model folder: its config.json names a model_type (ours never does)."""
     try:
-        return (path / CONFIG).is_file() and "model_type" in json.loads(corpus.read_text(path / CONFIG, "config", 2**20))
-    except (ValueError, RecursionError, TypeError, UsageError):
+        fields = json.loads(corpus.read_text(path / CONFIG, "config", 2**20)) if os.path.isfile(path / CONFIG) else None
+    except (ValueError, RecursionError, UsageError, OSError):
         return False
+    return isinstance(fields, dict) and "model_type" in fields
 
 
 def read_json(path: Path, what: str):
     try:
-        return json.loads(corpus.read_text(path, what, 2**26))
+        return json.loads(corpus.read_text(path, what, 2**26))  # (an index of 100,000 weights: a few MB)
     except (ValueError, RecursionError) as e:
         raise UsageError(f"cannot read {path}: {first_line(e)}") from None
 
@@ -81,26 +84,27 @@ def llama_config(folder: Path) -> LlamaConfig:
         if hf.get(field, value) != value:
             raise UsageError(f"{folder / CONFIG}: {field} {json.dumps(hf[field])[:40]} is not what this model computes "
                              f"({json.dumps(value)})")
-    # transformers 5 writes rope_parameters (rope_theta within); 4.x rope_theta and rope_scaling
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise UsageError(f"{folder / CONFIG}: rope_parameters must be a JSON object")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope, rope_type = rope_description(folder, hf)
     if rope_type not in ("default", "llama3"):
         raise UsageError(f"{folder / CONFIG}: RoPE scaling {json.dumps(rope_type)[:40]} is not supported (only Llama 3's, "
                          "\"llama3\", and none)")
     fields = {name: hf.get(name, DEFAULTS.get(name)) for name in
               ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "head_dim")}
-    fields["num_key_value_heads"] = hf.get("num_key_value_heads") or fields["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads")  # absent or null: one a query head (0 is refused, not defaulted)
+    fields["num_key_value_heads"] = fields["num_attention_heads"] if kv_heads is None else kv_heads
     fields["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", DEFAULTS["rope_theta"]))
     if rope_type == "llama3":
         fields["rope_scaling"] = {"rope_type": "llama3", **{k: rope.get(k) for k in model_config.LLAMA3_SCALING}}
     generation = folder / "generation_config.json"
-    generation = read_json(generation, "generation config") if generation.is_file() else {}
+    generation = read_json(generation, "generation config") if os.path.lexists(generation) else {}
     for name in model_config.TOKEN_IDS:  # config.json's, else generation_config.json's
-        value = hf.get(name, generation.get(name) if isinstance(generation, dict) else None)
+        value = hf.get(name)
+        if value is None and isinstance(generation, dict):
+            value = generation.get(name)
         fields[name] = value[0] if isinstance(value, list) and value else value  # Llama 3.1's eos: a list
+    if isinstance(fields["pad_token_id"], int) and fields["pad_token_id"] < 0:  # older Llama configs' -1: none
+        fields["pad_token_id"] = None
     if fields["bos_token_id"] is None or fields["eos_token_id"] is None:
         raise UsageError(f"{folder / CONFIG} names no bos_token_id or no eos_token_id: the documents are framed "
                          "with the model's own begin and end tokens, and this model has none to give")
@@ -110,43 +114,32 @@ def llama_config(folder: Path) -> LlamaConfig:
         raise UsageError(f"{folder / CONFIG}: {first_line(e)}") from None
 
 
+def rope_description(folder: Path, hf: dict) -> tuple[dict, str]:
+    """config.json's RoPE: transformers 5 writes rope_parameters (rope_theta within), 4.x
+    rope_theta and rope_scaling. Read whole or refused: a key we do not compute (a partial
+    rotary factor, per-layer parameters), scaling without a type, two that disagree."""
+    described = [hf[key] for key in ("rope_parameters", "rope_scaling") if hf.get(key) is not None]
+    for rope in described:
+        if not isinstance(rope, dict):
+            raise UsageError(f"{folder / CONFIG}: rope_parameters and rope_scaling must be JSON objects")
+        if unknown := sorted(set(rope) - ROPE_KEYS):
+            raise UsageError(f"{folder / CONFIG}: RoPE's {json.dumps(unknown[0])[:60]} is not something this model "
+                             "computes")
+        if "factor" in rope and "rope_type" not in rope and "type" not in rope:
+            raise UsageError(f"{folder / CONFIG}: RoPE scaling without a rope_type")
+    kinds = {rope.get("rope_type", rope.get("type", "default")) for rope in described}
+    if len(kinds) > 1:
+        raise UsageError(f"{folder / CONFIG}: rope_parameters and rope_scaling disagree ({', '.join(sorted(kinds))})")
+    return (described[0] if described else {}), (kinds.pop() if kinds else "default")
+
+
 def load_tokenizer(folder: Path, config: LlamaConfig) -> Tokenizer:
     """folder/tokenizer.json, checked against the model: as many tokens as the embedding has rows."""
-    tokenizer = tokenized.load_tokenizer(folder / TOKENIZER, config)
-    if tokenizer.get_vocab_size() != config.vocab_size:
-        raise UsageError(f"{folder / TOKENIZER} has {tokenizer.get_vocab_size():,} tokens, and the model's embedding "
-                         f"{config.vocab_size:,} rows ({CONFIG}): the tokenizer of another model?")
-    return tokenizer
-
-
-def weight_files(folder: Path) -> dict[str, Path]:
-    """Each weight's name in the files -> the safetensors file that holds it."""
-    if (folder / INDEX).is_file():  # sharded: the index names each weight's file
-        index = read_json(folder / INDEX, "weights index")
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise UsageError(f"{folder / INDEX} has no weight_map of names to files")
-        files = {name: folder / file for name, file in weight_map.items()}
-        outside = next((f for f in files.values() if f.parent != folder), None)
-        if outside is not None:  # "../../etc/passwd": only the folder's own files are read
-            raise UsageError(f"{folder / INDEX} names {outside.name} outside the folder")
-        missing = next((f for f in files.values() if not f.is_file()), None)
-        if missing is not None:
-            raise UsageError(f"{folder / INDEX} names {missing.name}, which is not in {folder}")
-        return files
-    if not (folder / WEIGHTS).exists():
-        raise UsageError(f"--init-from {folder}: no {WEIGHTS} and no {INDEX}: where are the weights?")
-    from safetensors import safe_open
-    path = folder / WEIGHTS
-    corpus.regular_file(path, "weights")
-    try:
-        with safe_open(path, "pt") as f:
-            return {name: path for name in f.keys()}
-    except Exception as e:  # SafetensorError: a truncated or damaged file
-        raise UsageError(f"{path} is damaged: {first_line(e)}") from None
+    return tokenized.load_tokenizer(folder / TOKENIZER, config)
 
 
 def our_name(name: str) -> str:
+    """A weight's name in our model, from its name in a Hugging Face file: model. -> base_model."""
     return "base_model." + name.removeprefix("model.") if name.startswith("model.") else name
 
 
@@ -154,38 +147,66 @@ def hf_name(name: str) -> str:
     return "model." + name.removeprefix("base_model.") if name.startswith("base_model.") else name
 
 
-def open_files(files: dict[str, Path]) -> dict[Path, object]:
+def weights(folder: Path) -> dict:
+    """Every weight in the folder's safetensors, by our name: a slice of its memory-mapped file
+    (safe_open reads a file's header alone, and a slice only the part asked for). Sharded, each
+    file is the one the index names for it, and holds it."""
     from safetensors import safe_open
+    if os.path.isfile(folder / INDEX):  # sharded: the index names each weight's file
+        index = read_json(folder / INDEX, "weights index")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise UsageError(f"{folder / INDEX} has no weight_map of names to files")
+        files = {name: folder / file for name, file in weight_map.items()}
+        outside = next((f for f in files.values() if f.parent != folder), None)
+        if outside is not None:  # "../../etc/passwd": only the folder's own files are read
+            raise UsageError(f"{folder / INDEX} names {outside.name[:80]} outside the folder")
+        missing = next((f for f in files.values() if not os.path.isfile(f)), None)
+        if missing is not None:
+            raise UsageError(f"{folder / INDEX} names {missing.name[:80]}, which is not in {folder}")
+    elif os.path.lexists(folder / WEIGHTS):  # one file: whatever is there is read as one must be
+        files = None
+    else:
+        raise UsageError(f"--init-from {folder}: no {WEIGHTS} and no {INDEX}: where are the weights?")
     opened = {}
-    for path in sorted(set(files.values())):
+    for path in sorted(set(files.values())) if files is not None else [folder / WEIGHTS]:
         corpus.regular_file(path, "weights")
         try:
-            opened[path] = safe_open(path, "pt")  # reads the header alone: the data is memory-mapped
-        except Exception as e:
+            opened[path] = safe_open(path, "pt")
+        except Exception as e:  # SafetensorError: a truncated or damaged file
             raise UsageError(f"{path} is damaged: {first_line(e)}") from None
-    return opened
+    found = {}
+    for path, f in opened.items():
+        for name in f.keys():  # every tensor of every file, listed in the index or not
+            if files is not None and files.get(name) != path:
+                raise UsageError(f"{path} holds {name[:80]}, which {INDEX} says is in "
+                                 f"{files[name].name if name in files else 'no file'}")
+            if our_name(name) in found:  # model.x and base_model.x: two values for one weight
+                raise UsageError(f"{path}: {name[:80]} is there twice, under two names")
+            found[our_name(name)] = (name, f)
+    if files is not None and (unlisted := next((n for n in files if our_name(n) not in found), None)):
+        raise UsageError(f"{folder / INDEX} says {files[unlisted].name} holds {unlisted[:80]}, which it does not")
+    return {name: f.get_slice(hf) for name, (hf, f) in found.items()}
 
 
-def check_weights(folder: Path, expected: dict[str, torch.Size]) -> None:
+def check_weights(folder: Path, config: LlamaConfig, expected: dict[str, torch.Size]) -> None:
     """Every weight the model needs, in the shape it needs, floating point: from the files'
     headers, before anything is allocated. A tied model's LM head is its embedding (the files
-    may hold a copy, or not); RoPE's tables are computed (an old file's inv_freq is not read)."""
-    files = weight_files(folder)
-    opened = open_files(files)
-    names = {our_name(n) for n in files if not n.endswith("rotary_emb.inv_freq")}
-    tied = expected.get("lm_head.weight") is not None and "lm_head.weight" not in names
-    for name, shape in expected.items():
-        if name == "lm_head.weight" and tied:
-            continue
-        if name not in names:
+    may hold a copy, as some do, which transformers ignores too); RoPE's tables are computed
+    (an old file's inv_freq is not read)."""
+    pieces = {name: piece for name, piece in weights(folder).items() if not name.endswith("rotary_emb.inv_freq")}
+    needed = {name: shape for name, shape in expected.items()
+              if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    for name, shape in needed.items():
+        if name not in pieces:
             raise UsageError(f"--init-from {folder}: its weights lack {hf_name(name)}")
-        piece = opened[files[hf_name(name)]].get_slice(hf_name(name))
+        piece = pieces[name]
         if tuple(piece.get_shape()) != tuple(shape) or piece.get_dtype() not in ("BF16", "F16", "F32", "F64"):
             raise UsageError(f"--init-from {folder}: {hf_name(name)} is {piece.get_dtype()} "
                              f"{tuple(piece.get_shape())}, and the model's config.json makes it {tuple(shape)}")
-    if extra := sorted(names - set(expected)):
-        raise UsageError(f"--init-from {folder}: its weights hold {hf_name(extra[0])}, which this model has no "
-                         "place for (a bias, another architecture?)")
+    if extra := sorted(set(pieces) - set(expected)):
+        raise UsageError(f"--init-from {folder}: its weights hold {hf_name(extra[0])[:80]}, which this model has "
+                         "no place for (a bias, another architecture?)")
 
 
 @torch.no_grad()
@@ -194,18 +215,15 @@ def load_into(model: torch.nn.Module, folder: Path) -> int:
     sharded parameter (a DTensor: FSDP, TP) reads only its own part of the file. Returns the
     elements read, which a test holds to one rank's share."""
     from torch.distributed.tensor import DTensor
-    files = weight_files(folder)
-    opened = open_files(files)
-    read = 0
+    pieces, read = weights(folder), 0
     for name, param in model.named_parameters():  # a tied LM head is the embedding's parameter, named once
-        piece = opened[files[hf_name(name)]].get_slice(hf_name(name))
         target, index = param, tuple(slice(None) for _ in param.shape)
         if isinstance(param, DTensor):  # this rank's block of the whole tensor: rows (FSDP), columns (TP)
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
             shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
             index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
             target = param.to_local()
-        value = piece[index]
+        value = pieces[name][index]
         read += value.numel()
         target.copy_(value)
     return read

@@ -43,6 +43,9 @@ def checked(fields: dict) -> LlamaConfig:
     if fields.get("rope_scaling") is not None:
         check_rope_scaling(fields["rope_scaling"])
     config = LlamaConfig(**fields)
+    if config.max_position_embeddings * config.head_dim > 2**26:  # RoPE's two fp32 tables, on every rank
+        raise ValueError(f"max_position_embeddings x head_dim must be at most 2**26 (RoPE's tables: 512 MB), got "
+                         f"{config.max_position_embeddings:,} x {config.head_dim:,}")
     for name in TOKEN_IDS:
         value = getattr(config, name)
         if value is not None and not (whole(value) and 0 <= value < config.vocab_size):

@@ -81,7 +81,10 @@ class Corpus:
 
 
 def same_init_from(mine: str, rank0s: str):
-    if mine != rank0s:
+    """A Hub model's folder is .../snapshots/<commit>, under each node's own cache: the commit is what must agree."""
+    def commit(path: str) -> str:
+        return Path(path).name if Path(path).parent.name == "snapshots" else path
+    if commit(mine) != commit(rank0s):
         raise UsageError(f"--init-from resolved to {mine} on this rank and to {rank0s} on rank 0 (a Hub model "
                          "updated while the job started?): start the job again")
 

@@ -168,7 +168,7 @@ def imported_architecture(out: Path) -> dict | None:
         config, _ = read_config(out) if (out / CONFIG).is_file() else (None, None)
     except UsageError:
         return None
-    if config is None or config.bos_token_id is None:
+    if config is None or not config.own_special_tokens:
         return None
     return {**dataclasses.asdict(config), "trained_seq_len": None}
 

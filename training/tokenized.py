@@ -22,8 +22,9 @@ CACHED_WINDOWS = "the cached windows"  # what warnings and errors call the windo
 
 
 def load_tokenizer(path: str, config=None) -> Tokenizer:
-    """A tokenizer.json, checked: ids from 0 up without gaps, and the special tokens there that
-    the model (config: its model.LlamaConfig) frames documents with: ours, or an imported model's."""
+    """A tokenizer.json, checked: ids from 0 up without gaps, and, given the model's config (a
+    model.LlamaConfig), one token an embedding row, and the special tokens there that the model
+    frames documents with: ours, or an imported model's."""
     text = corpus.read_text(path, "tokenizer", 2**30)  # a regular file (of at most a GiB: 50,000 tokens take 4 MB)
     try:
         tokenizer = Tokenizer.from_str(text)
@@ -35,7 +36,10 @@ def load_tokenizer(path: str, config=None) -> Tokenizer:
     if largest >= tokenizer.get_vocab_size():
         raise UsageError(f"tokenizer {path} has {tokenizer.get_vocab_size():,} tokens but ids up to {largest:,}: "
                          "a tokenizer whose ids have gaps is not supported (ids must run from 0 to its size - 1)")
-    if config is not None and config.bos_token_id is not None:  # an imported model's ids
+    if config is not None and tokenizer.get_vocab_size() != config.vocab_size:  # its ids would index other rows
+        raise UsageError(f"{path} has {tokenizer.get_vocab_size():,} tokens, and the model {config.vocab_size:,} "
+                         "embedding rows (config.json): the tokenizer of another run or model?")
+    if config is not None and config.own_special_tokens:  # an imported model's ids
         missing = [t for t in (config.bos_token_id, config.eos_token_id) if tokenizer.id_to_token(t) is None]
     else:
         missing = [t for t in data.SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]

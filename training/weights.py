@@ -63,6 +63,21 @@ def unusable_weight(state: dict) -> str | None:
     return next((name for name, t in state.items() if not usable(t)), None)
 
 
+def check_tie(state: dict | None, config: LlamaConfig, where: str) -> None:
+    """A tied model's state holds one matrix under two names, the LM head's equal to the
+    embedding's: a state whose two differ is an untied model's (or a config.json edited to tie
+    it), and loading it would keep one of the two in silence."""
+    if state is None or not config.tie_word_embeddings or not {"lm_head.weight", EMBEDDING} <= state.keys():
+        return
+    head, embedding = state["lm_head.weight"], state[EMBEDDING]
+    if head is not embedding and not (head.shape == embedding.shape and torch.equal(head, embedding)):
+        raise UsageError(f"{where}: the model ties its embeddings (tie_word_embeddings in config.json), but its "
+                         "weights hold an LM head that differs from the embedding: an untied model's?")
+
+
+EMBEDDING = "base_model.embed_tokens.weight"
+
+
 def shapes_of(state) -> dict:
     return {k: v.shape for k, v in state.items() if isinstance(v, torch.Tensor)} if isinstance(state, dict) else {}
 
@@ -129,6 +144,7 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
     if ckpt is not None and ckpt.get("sharded"):  # DCP reshards every tensor to this one process
         sharded_checkpoint.load_model(Path(ckpt["path"]), model)
     else:
+        check_tie(state, config, f"the weights in {out}")
         if name := unusable_weight(state):  # integers or NaN: load_state_dict would cast them in silence
             raise UsageError(f"the weights in {out} are not finite ({name} holds NaN, inf or integers): nothing to "
                              "sample or export from them")
@@ -139,9 +155,6 @@ def load_trained(out_dir: str) -> tuple[LlamaForPretraining, Tokenizer]:
     if name := unusable_weight(dict(model.named_parameters())):  # what a diverged or damaged file holds
         raise UsageError(f"the weights in {out} are not finite ({name} holds NaN or inf): nothing to sample or "
                          "export from them")
-    tokenizer = load_tokenizer(out / TOKENIZER, config)
-    if tokenizer.get_vocab_size() != config.vocab_size:  # another run's: its ids would index other rows
-        raise UsageError(f"{out / TOKENIZER} has {tokenizer.get_vocab_size():,} tokens, and the model "
-                         f"{config.vocab_size:,} ({CONFIG}): the tokenizer of another run?")
+    tokenizer = load_tokenizer(out / TOKENIZER, config)  # as many tokens as the embedding has rows
     run_folder.check_tokenizer(out, tokenizer, fingerprint)
     return model.eval(), tokenizer
