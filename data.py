@@ -169,8 +169,9 @@ def text_only(tokenizer: Tokenizer) -> Tokenizer:
 
 def document_windows(text: str, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool, ids: list[int] | None = None,
                      specials: SpecialIds | None = None) -> list[np.ndarray]:
-    """One document framed, [BOT] + ids + [EOT] (specials: an imported model's ids instead), and cut into windows of seq_len + 1 tokens
-    that overlap by one: every token after [BOT] is a target in exactly one window, and only
+    """One document framed, [BOT] + ids + [EOT] (specials: an imported model's own instead), and
+    cut into windows of seq_len + 1 tokens that overlap by one: every token after [BOT] is a
+    target in exactly one window, and only
     the last window is short (padded later, as a short document's one window is). A document
     longer than 2 x PIECE_CHARS is encoded in pieces cut where no token changes (see clip_text;
     with a tokenizer that could change one there, exact_cuts is False and the caller has

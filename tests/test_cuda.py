@@ -17,6 +17,7 @@ from model import LlamaConfig, LlamaForPretraining, LlamaLMHead, compute_dtype
 from test_packing import (attended, attention_inputs, both_layouts, bounds_from_positions, in_one_call,
                           packed_in_padded_order, padded_reference, relative_distance, small_model, with_flex)
 from ops import packed_attention
+from test_hf_import import hf  # noqa: F401 (fixture)
 from test_stream_training import STREAM, shards, streamed, sub_streams_at  # noqa: F401 (fixtures)
 from training import launch, weights
 from training.metrics import peak_tflops
@@ -346,3 +347,20 @@ def test_the_steps_candidates_compiled_in_bf16_train_what_the_baseline_trains(sm
     floor = distances.pop("baseline")
     for name, distance in distances.items():
         assert_within(name, distance, floor, 2)
+
+
+def test_an_imported_tied_model_on_the_gpu_is_transformers_and_fsdp_trains_it(hf, corpus, tmp_path, full_fp32):
+    """tests/test_hf_import.py's import on a GPU: our fp32 logits within 20x what transformers' own
+    two attention kernels differ by there, and train_fsdp.py (NCCL, bf16) trains the tied
+    SmolLM2-shaped model 4 steps to finite weights, still tied in model.pt."""
+    from test_hf_import import hf_args, imported, published, tied
+    ours, theirs = imported(hf["smollm"]).cuda(), published(hf["smollm"]).cuda()
+    ids = torch.randint(0, ours.config.vocab_size, (2, 48), device="cuda")
+    with torch.no_grad():
+        logits, expected = ours(ids), theirs(ids).logits
+        other = published(hf["smollm"], "eager").cuda()(ids).logits
+    floor = max((other - expected).abs().max().item(), torch.finfo(torch.float32).eps * expected.abs().max().item())
+    assert_within("logits on the GPU", (logits - expected).abs().max().item(), floor, FLOOR_MULTIPLE)
+    out = tmp_path / "fsdp"
+    run_script("train_fsdp.py", [*hf_args(hf["smollm"], corpus, out), "--dtype", "bf16"], nproc=1, real_torchrun=True)
+    assert tied(out) and all(bool(torch.isfinite(w).all()) for w in load_weights(out).values())

@@ -86,8 +86,8 @@ def llama_config(folder: Path) -> LlamaConfig:
                              f"({json.dumps(value)})")
     rope, rope_type = rope_description(folder, hf)
     if rope_type not in ("default", "llama3"):
-        raise UsageError(f"{folder / CONFIG}: RoPE scaling {json.dumps(rope_type)[:40]} is not supported (only Llama 3's, "
-                         "\"llama3\", and none)")
+        raise UsageError(f"{folder / CONFIG}: RoPE scaling {json.dumps(rope_type)[:40]} is not supported (only "
+                         "Llama 3's, \"llama3\", and none)")
     fields = {name: hf.get(name, DEFAULTS.get(name)) for name in
               ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "head_dim")}
