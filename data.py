@@ -168,27 +168,26 @@ def text_only(tokenizer: Tokenizer) -> Tokenizer:
 
 
 def document_windows(text: str, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool, ids: list[int] | None = None,
-                     specials: SpecialIds | None = None) -> list[np.ndarray]:
-    """One document framed, [BOT] + ids + [EOT] (specials: an imported model's own instead), and
-    cut into windows of seq_len + 1 tokens that overlap by one: every token after [BOT] is a
-    target in exactly one window, and only
-    the last window is short (padded later, as a short document's one window is). A document
-    longer than 2 x PIECE_CHARS is encoded in pieces cut where no token changes (see clip_text;
-    with a tokenizer that could change one there, exact_cuts is False and the caller has
-    warned), so its memory stays that of a piece. `ids`: a short document's ids, where the
-    caller encoded it already (batch_windows). `tokenizer` encodes special tokens as text (text_only)."""
+                     *, specials: SpecialIds) -> list[np.ndarray]:
+    """One document framed, [BOT] + ids + [EOT] (specials: their ids, or an imported model's own
+    tokens), and cut into windows of seq_len + 1 tokens that overlap by one: every token after
+    [BOT] is a target in exactly one window, and only the last window is short (padded later,
+    as a short document's one window is). A document longer than 2 x PIECE_CHARS is encoded in
+    pieces cut where no token changes (see clip_text; with a tokenizer that could change one
+    there, exact_cuts is False and the caller has warned), so its memory stays that of a piece.
+    `ids`: a short document's ids, where the caller encoded it already (batch_windows).
+    `tokenizer` encodes special tokens as text (text_only)."""
     if ids is None:  # pieces, 16 at a time: each group's encodings freed before the next
         cut = (iter([text]) if len(text) <= 2 * PIECE_CHARS
                else pieces(text, PIECE_CHARS, tokenizer.pre_tokenizer if exact_cuts else None))
         groups = iter(lambda: list(itertools.islice(cut, 16)), [])
         ids = np.concatenate([np.array(e.ids, dtype=np.int64) for group in groups
                               for e in tokenizer.encode_batch_fast(group, add_special_tokens=False)])
-    bos, eos, _ = specials or special_ids(tokenizer)
-    framed = np.concatenate([[bos], np.asarray(ids, dtype=np.int64), [eos]])
+    framed = np.concatenate([[specials.bos], np.asarray(ids, dtype=np.int64), [specials.eos]])
     return [framed[start:start + seq_len + 1] for start in range(0, len(framed) - 1, seq_len)]
 
 
-def batch_windows(batch, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool, specials: SpecialIds | None = None):
+def batch_windows(batch, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool, specials: SpecialIds):
     """Every document of a batch cut into its windows (document_windows), the short ones
     encoded together: on all of the tokenizer's threads where the corpus is mapped by one
     process (training/tokenized.py maps this function over it)."""
@@ -199,7 +198,7 @@ def batch_windows(batch, tokenizer: Tokenizer, seq_len: int, exact_cuts: bool, s
                                                                         add_special_tokens=False))))
     return {"input_ids": [window for i, text in enumerate(texts)
                           for window in document_windows(text, tokenizer, seq_len, exact_cuts, ids.pop(i, None),
-                                                         specials)]}
+                                                         specials=specials)]}
 
 
 # ---------------------------------------------------------------------------------------

@@ -186,6 +186,27 @@ def fits_table(args) -> list:
 
 TP_DEGREES = (1, 2, 4, 8)
 GPUS = 8  # a node's: the second layout of Table 4 spreads FSDP over the rest of them
+# Tables 4 and 5's columns: (the row's key, its width, its heading), in GB
+PER_RANK = (("weights", 9, "weights"), ("gradients", 8, "grads"), ("optimizer", 8, "AdamW"),
+            ("activations", 13, "activations"), ("logits", 7, "loss"), ("total", 8, "total"))
+
+
+def per_rank_row(need, **labels) -> dict:
+    """A row of Tables 4 and 5 from memory.estimate's answer: its fp32 weights (4 bytes of the 16
+    a parameter holds), as many bytes of gradients, twice that of AdamW's moments, then the
+    activations, the loss's logits and the total; labels first (model, tp, dp)."""
+    from training import memory
+    weights = need.state // (memory.BYTES_PER_PARAMETER // 4)
+    return {**labels, "weights": weights, "gradients": weights, "optimizer": 2 * weights,
+            "activations": need.activations, "logits": need.logits, "total": need.total}
+
+
+def per_rank_heading() -> str:
+    return "".join(f"{heading:>{width}}" for _, width, heading in PER_RANK)
+
+
+def per_rank_cells(row: dict) -> str:
+    return "".join(f"{row[key] / 1e9:>{width}.2f}" for key, width, _ in PER_RANK)
 
 
 def tp_table(args) -> list:
@@ -210,25 +231,19 @@ def tp_table(args) -> list:
                 continue
             for dp in sorted({1, GPUS // tp}):
                 need = memory.estimate(config, args.batch[0], args.seq_len, dtype, shards=dp * tp, on_gpu=True, tp=tp)
-                weights = need.state // (memory.BYTES_PER_PARAMETER // 4)  # the fp32 weights: 4 bytes of the 16
-                rows.append({"model": preset, "tp": tp, "dp": dp, "weights": weights, "gradients": weights,
-                             "optimizer": 2 * weights, "activations": need.activations, "logits": need.logits,
-                             "total": need.total})
+                rows.append(per_rank_row(need, model=preset, tp=tp, dp=dp))
     return rows
 
 
 def print_tp(args, rows):
     print(f"\nTable 4: per rank under train_tp.py (memory.py's estimate, GB), one micro-batch of {args.batch[0]} x "
           f"{args.seq_len} tokens a TP group, {args.dtype}, on GPUs; dp {GPUS} / tp: FSDP over the rest of {GPUS}")
-    print(f"  {'model':<9}{'tp':>3}{'dp':>4}{'weights':>9}{'grads':>8}{'AdamW':>8}{'activations':>13}{'loss':>7}"
-          f"{'total':>8}")
+    print(f"  {'model':<9}{'tp':>3}{'dp':>4}{per_rank_heading()}")
     for row in rows:
         if "refused" in row:
             print(f"  {row['model']:<9}{row['tp']:>3}    refused: {row['refused']}")
             continue
-        cells = "".join(f"{row[key] / 1e9:>{width}.2f}" for key, width in (
-            ("weights", 9), ("gradients", 8), ("optimizer", 8), ("activations", 13), ("logits", 7), ("total", 8)))
-        print(f"  {row['model']:<9}{row['tp']:>3}{row['dp']:>4}{cells}")
+        print(f"  {row['model']:<9}{row['tp']:>3}{row['dp']:>4}{per_rank_cells(row)}")
 
 
 # The sizes in the published models' config.json (Hugging Face Hub): what memory depends on
@@ -256,21 +271,16 @@ def published_table(args) -> list:
     for name, config in configs.items():
         for ranks in (1, GPUS):
             need = memory.estimate(config, args.batch[0], args.seq_len, dtype, shards=ranks, on_gpu=True)
-            weights = need.state // (memory.BYTES_PER_PARAMETER // 4)
-            rows.append({"model": name, "tp": 1, "dp": ranks, "weights": weights, "gradients": weights,
-                         "optimizer": 2 * weights, "activations": need.activations, "logits": need.logits,
-                         "total": need.total})
+            rows.append(per_rank_row(need, model=name, tp=1, dp=ranks))
     return rows
 
 
 def print_published(args, rows):
     print(f"\nTable 5: published models (--init-from), per rank (memory.py's estimate, GB), one micro-batch of "
           f"{args.batch[0]} x {args.seq_len} tokens, {args.dtype}, on GPUs: DDP (dp 1), FSDP over {GPUS} (dp {GPUS})")
-    print(f"  {'model':<14}{'dp':>4}{'weights':>9}{'grads':>8}{'AdamW':>8}{'activations':>13}{'loss':>7}{'total':>8}")
+    print(f"  {'model':<14}{'dp':>4}{per_rank_heading()}")
     for row in rows:
-        cells = "".join(f"{row[key] / 1e9:>{width}.2f}" for key, width in (
-            ("weights", 9), ("gradients", 8), ("optimizer", 8), ("activations", 13), ("logits", 7), ("total", 8)))
-        print(f"  {row['model']:<14}{row['dp']:>4}{cells}")
+        print(f"  {row['model']:<14}{row['dp']:>4}{per_rank_cells(row)}")
 
 
 def main(argv=None):

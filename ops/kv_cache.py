@@ -5,7 +5,8 @@ import torch
 
 class KVCache:
     """One layer's keys and values of every token so far, for generation: each new token
-    then costs one query against the cache instead of a forward over the whole prefix. config: the model's LlamaConfig."""
+    then costs one query against the cache instead of a forward over the whole prefix.
+    config: the model's LlamaConfig."""
 
     def __init__(self, config, batch_size: int, max_len: int, device, dtype):
         shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)  # (B, K, max_len, D)

@@ -369,10 +369,13 @@ def test_a_huge_document_is_encoded_in_pieces_never_whole(tokenizer, monkeypatch
     huge = " ".join(["gradients flow back through every layer"] * 2_000)  # 80 pieces' worth
     minified = json.dumps([{"layer": i, "grad": [0.5, 1.5]} for i in range(2_000)], separators=(",", ":"))
     letters = "abcdefgh" * 10_000  # one piece: no cut between two tokens is known to be exact
-    windows = data.batch_windows({"text": [huge, minified, DOCS[0]]}, Recording(), seq_len=512, exact_cuts=True)["input_ids"]
+    specials = data.special_ids(tokenizer)
+    windows = data.batch_windows({"text": [huge, minified, DOCS[0]]}, Recording(), seq_len=512, exact_cuts=True,
+                                 specials=specials)["input_ids"]
     assert [w.tolist() for w in windows] == windows_of_whole_documents([huge, minified, DOCS[0]], tokenizer, 512)
     assert max(seen) <= 2 * data.PIECE_CHARS + 16  # never a whole document
-    windows = data.batch_windows({"text": [letters]}, Recording(), seq_len=512, exact_cuts=True)["input_ids"]
+    windows = data.batch_windows({"text": [letters]}, Recording(), seq_len=512, exact_cuts=True,
+                                 specials=specials)["input_ids"]
     ids = [t for w in windows for t in w.tolist()[1:]]
     assert tokenizer.decode(ids[:-1]) == letters and max(seen) <= 2 * data.PIECE_CHARS + 16
 

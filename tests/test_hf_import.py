@@ -77,10 +77,10 @@ def test_import_then_export_gives_back_the_same_tensors_and_model(hf, shape, tmp
     from safetensors.torch import load_file
 
     import export_hf
-    from training import hf_import, run_folder
+    from training import run_folder, tokenized
     model = imported(hf[shape])
     out = tmp_path / "out"
-    run_folder.write_run_files(str(out), hf_import.load_tokenizer(hf[shape], model.config), model)
+    run_folder.write_run_files(str(out), tokenized.load_tokenizer(hf[shape] / "tokenizer.json", model.config), model)
     run_folder.save_model(str(out), model.state_dict())
     export_hf.export(str(out), str(tmp_path / "export"))
 

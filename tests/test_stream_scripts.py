@@ -572,7 +572,9 @@ def windows_of(texts: list[str], tokenizer_file) -> list[tuple]:
     """Each document's windows as the map-style path cuts them (data.document_windows)."""
     tokenizer = data.text_only(tokenized.load_tokenizer(str(tokenizer_file)))
     exact = data.clip_is_exact(tokenizer)
-    return [tuple(w.tolist()) for text in texts for w in data.document_windows(text, tokenizer, 32, exact)]
+    specials = data.special_ids(tokenizer)
+    return [tuple(w.tolist()) for text in texts
+            for w in data.document_windows(text, tokenizer, 32, exact, specials=specials)]
 
 
 def test_the_corpus_edge_cases_train_every_window_once_an_epoch(tmp_path, tokenizer_file, trained_rows):

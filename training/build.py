@@ -72,10 +72,10 @@ def check_init_from(cfg: TrainConfig, vocab_size: int):
     """--init-from's weights must have the shapes of the model this run builds: a clear line
     before anything is allocated or written, not a failed copy."""
     path = Path(cfg.init_from)
+    if hf_import.is_hf_folder(path):  # a Hugging Face model's files: checked with the flags (config.parse_args)
+        return
     model_config = config.model_config(cfg, vocab_size)
     expected = weights.model_shapes(model_config)
-    if hf_import.is_hf_folder(path):  # a Hugging Face model's files: checked with the flags (config.py), and again
-        return hf_import.check_weights(path, model_config, expected)  # here, where this rank reads them
     state = None if path.is_dir() else weights.weights_in(path)  # a .pt file: read once, memory-mapped
     saved = weights.folder_weight_shapes(path) if state is None else weights.shapes_of(state)
     weights.check_tie(state, model_config, f"--init-from {cfg.init_from}")

@@ -204,7 +204,7 @@ def parse_args(argv=None, distributed: bool = False, sharded: bool = False, tens
         out = source = folder
         architecture = hf_import.llama_config(folder)
         hf_import.check_weights(folder, architecture, weights.model_shapes(architecture))  # from the files' headers
-        theirs = hf_import.load_tokenizer(folder, architecture)
+        theirs = tokenized.load_tokenizer(folder / hf_import.TOKENIZER, architecture)  # one token an embedding row
         cfg.architecture = dataclasses.asdict(architecture)  # (trained_seq_len None: --seq-len decides it)
     elif cfg.init_from:
         out, source = weights.init_source(cfg.init_from)

@@ -16,10 +16,9 @@ import re
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
 
 from model import LlamaConfig
-from training import corpus, model_config, tokenized
+from training import corpus, model_config
 from training.errors import UsageError, first_line
 
 CONFIG, TOKENIZER, WEIGHTS, INDEX = "config.json", "tokenizer.json", "model.safetensors", "model.safetensors.index.json"
@@ -59,22 +58,25 @@ def resolve(source: str) -> Path | None:
 def is_hf_folder(path: Path) -> bool:
     """A Hugging Face model folder: its config.json names a model_type (ours never does)."""
     try:
-        fields = json.loads(corpus.read_text(path / CONFIG, "config", 2**20)) if os.path.isfile(path / CONFIG) else None
-    except (ValueError, RecursionError, UsageError, OSError):
+        fields = read_json(path / CONFIG, "model config", CONFIG_BYTES) if os.path.isfile(path / CONFIG) else None
+    except (UsageError, OSError):
         return False
     return isinstance(fields, dict) and "model_type" in fields
 
 
-def read_json(path: Path, what: str):
+CONFIG_BYTES = 2**20  # a config.json holds a few KB (run_folder reads ours with the same bound)
+
+
+def read_json(path: Path, what: str, limit: int = 2**26):  # (an index of 100,000 weights: a few MB)
     try:
-        return json.loads(corpus.read_text(path, what, 2**26))  # (an index of 100,000 weights: a few MB)
+        return json.loads(corpus.read_text(path, what, limit))
     except (ValueError, RecursionError) as e:
         raise UsageError(f"cannot read {path}: {first_line(e)}") from None
 
 
 def llama_config(folder: Path) -> LlamaConfig:
     """Our config of the model in folder/config.json, its special tokens included."""
-    hf = read_json(folder / CONFIG, "model config")
+    hf = read_json(folder / CONFIG, "model config", CONFIG_BYTES)
     if not isinstance(hf, dict):
         raise UsageError(f"{folder / CONFIG} is not a JSON object")
     if hf.get("model_type") != "llama":
@@ -131,11 +133,6 @@ def rope_description(folder: Path, hf: dict) -> tuple[dict, str]:
     if len(kinds) > 1:
         raise UsageError(f"{folder / CONFIG}: rope_parameters and rope_scaling disagree ({', '.join(sorted(kinds))})")
     return (described[0] if described else {}), (kinds.pop() if kinds else "default")
-
-
-def load_tokenizer(folder: Path, config: LlamaConfig) -> Tokenizer:
-    """folder/tokenizer.json, checked against the model: as many tokens as the embedding has rows."""
-    return tokenized.load_tokenizer(folder / TOKENIZER, config)
 
 
 def our_name(name: str) -> str:

@@ -61,7 +61,8 @@ class SubStreamRows(Iterator[tuple[torch.Tensor, ...]]):
     flush. Either way every token of every document (after its [BOT]) is a target exactly once
     an epoch. An object given state_dict() taken after any row gives the rows this one gives
     next, bitwise. read(piece, start_row) is the run's reader (order.Read); `tokenizer` the
-    run's, its [PAD] the padding (specials: an imported model's own ids instead). What it reads again is checked against what it read
+    run's, its [PAD] the padding (specials: an imported model's own ids instead). What it
+    reads again is checked against what it read
     (integrity.py); `known`: the digests of the pieces the run had read by the checkpoint it
     resumed from (integrity.known_pieces)."""
 
